@@ -1,0 +1,8 @@
+"""tokenloom: the Transformer family, real, fast and practical on an ordinary machine."""
+
+from .errors import TokenloomError
+from .models import GPT, GPTConfig
+
+__version__ = "0.1.0"
+
+__all__ = ["GPT", "GPTConfig", "TokenloomError", "__version__"]

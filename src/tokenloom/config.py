@@ -1,0 +1,182 @@
+"""Dataclass configs <-> plain dicts / YAML, with dotted overrides and clear validation errors.
+
+* :func:`from_dict` builds a (nested) dataclass from a dict, checking every key and type: an unknown
+  key names the closest known one, a wrong type names the field, the value and the expected type.
+* :func:`to_dict` is the inverse; :func:`load_yaml` / :func:`save_yaml` read and write files.
+* :func:`apply_overrides` applies ``["train.max_steps=500", "model.dropout=0.1"]`` to a dict; the
+  values are parsed as YAML scalars (``500`` -> int, ``true`` -> bool, ``null`` -> None).
+
+Range checks live in each dataclass's ``__post_init__`` and raise :class:`ConfigError` naming the
+field, the value and what is allowed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, Literal, TypeVar, Union, get_args, get_origin
+
+import yaml
+
+from .errors import ConfigError
+from .registry import did_you_mean
+
+T = TypeVar("T")
+
+
+def _type_name(tp: Any) -> str:
+    origin = get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in get_args(tp))
+    if origin in (Union, types.UnionType):
+        return " or ".join(_type_name(a) for a in get_args(tp))
+    if tp is type(None):
+        return "null"
+    return getattr(tp, "__name__", str(tp))
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    """Check ``value`` against the type hint ``tp``; return it (ints widen to floats)."""
+    origin = get_origin(tp)
+    if tp is Any:
+        return value
+    if origin in (Union, types.UnionType):
+        errors = []
+        for arg in get_args(tp):
+            try:
+                return _coerce(value, arg, where)
+            except ConfigError as err:
+                errors.append(err)
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+    if tp is type(None):
+        if value is None:
+            return None
+        raise ConfigError(f"{where}: expected null, got {value!r}")
+    if origin is Literal:
+        if value in get_args(tp):
+            return value
+        allowed = ", ".join(repr(a) for a in get_args(tp))
+        raise ConfigError(f"{where}: {value!r} is not allowed{did_you_mean(value, get_args(tp))}; "
+                          f"choose one of {allowed}")
+    if dataclasses.is_dataclass(tp):
+        return from_dict(tp, value, prefix=where)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (item_tp, *_) = get_args(tp) or (Any,)
+        items = [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
+        return items if origin is list else tuple(items)
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is str:
+        if isinstance(value, str):
+            return value
+    elif isinstance(tp, type) and isinstance(value, tp):
+        return value
+    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``, validating keys and types (see module docstring)."""
+    if isinstance(data, cls):
+        return data
+    name = prefix or cls.__name__
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{name}: expected a mapping of fields, got {data!r}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{prefix}.{key}" if prefix else str(key)
+        if key not in fields:
+            raise ConfigError(f"unknown key {where!r}{did_you_mean(str(key), fields)}; "
+                              f"allowed: {', '.join(fields)}")
+        kwargs[key] = _coerce(value, hints[key], where)
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        if prefix and not str(err).startswith(prefix):
+            raise ConfigError(f"{prefix}.{err}") from None
+        raise
+
+
+def to_dict(obj: Any) -> Any:
+    """A dataclass (possibly nested) as plain dicts/lists, ready for YAML."""
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        return {f.name: to_dict(getattr(obj, f.name)) for f in dataclasses.fields(obj) if f.init}
+    if isinstance(obj, (list, tuple)):
+        return [to_dict(v) for v in obj]
+    if isinstance(obj, dict):
+        return {k: to_dict(v) for k, v in obj.items()}
+    return obj
+
+
+def load_yaml(path: str | Path) -> dict:
+    """Read a YAML mapping; a missing file or bad YAML is a one-line :class:`ConfigError`."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        raise ConfigError(f"{path}: invalid YAML{at}: {getattr(err, 'problem', err)}") from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(data).__name__}")
+    return data
+
+
+def save_yaml(data: dict, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(data, sort_keys=False))
+
+
+def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
+    """Apply ``key.sub=value`` strings to a nested dict (in place) and return it."""
+    for item in overrides or []:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like key.sub=value")
+        key, raw = item.split("=", 1)
+        try:
+            value = yaml.safe_load(raw) if raw.strip() else ""
+        except yaml.YAMLError:
+            value = raw
+        node = data
+        parts = key.strip().split(".")
+        for part in parts[:-1]:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
+        node[parts[-1]] = value
+    return data
+
+
+def check(condition: bool, message: str) -> None:
+    """Raise :class:`ConfigError` with ``message`` unless ``condition`` holds (for ``__post_init__``)."""
+    if not condition:
+        raise ConfigError(message)
+
+
+def check_choice(field: str, value: str, registry: Any) -> None:
+    """Reject a part name that ``registry`` does not know, naming the field and the closest match."""
+    if value not in registry:
+        raise ConfigError(f"{field}: unknown {registry.kind} {value!r}{did_you_mean(value, registry)}; "
+                          f"known: {', '.join(registry.names())}")

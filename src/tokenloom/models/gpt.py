@@ -1,0 +1,225 @@
+"""Decoder-only Transformer language model (GPT).
+
+Shape legend: B batch, T new positions in this call, S = cached + new positions, C embed_dim,
+H num_heads, D head_dim, V vocab_size, L num_layers.
+
+The model follows the small protocol that decoding uses (DESIGN.md)::
+
+    logits = model(input_ids, positions=None, attention_mask=None, cache=None)   # (B, T, V)
+    cache = model.create_cache(batch_size, max_len)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import check, check_choice
+from ..errors import ConfigError, GenerationError
+from ..nn import ATTENTION_BACKENDS, BLOCKS, MLPS, NORMS, POSITIONS, KVCache, create_block, create_norm
+from ..nn.masks import causal_mask, padding_mask, positions_from_mask
+from ..registry import did_you_mean
+from .registry import MODELS
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 65  # number of token ids
+    num_layers: int = 6  # Transformer blocks
+    num_heads: int = 6  # query heads per attention layer
+    num_kv_heads: int | None = None  # key/value heads (grouped-query attention); None = num_heads
+    embed_dim: int = 384  # width of the residual stream, C
+    max_seq_len: int = 256  # longest context the model accepts
+    position: str = "learned"  # sinusoidal | learned | rope | alibi | t5 | none
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_placement: str = "pre"  # pre (GPT-2) | post (original Transformer)
+    norm_eps: float = 1e-5  # epsilon of every norm layer
+    mlp: str = "gelu"  # gelu | gelu_tanh | relu | swiglu
+    mlp_ratio: float = 4.0  # MLP hidden width = mlp_ratio * embed_dim
+    attention: str = "sdpa"  # attention backend: sdpa (fused) | math (explicit, can return weights)
+    dropout: float = 0.0  # dropout on embeddings, attention probabilities and residual branches
+    bias: bool = True  # biases in linear and norm layers
+    tie_embeddings: bool = True  # output projection shares the token embedding matrix
+    gradient_checkpointing: bool = False  # recompute block activations in backward to save memory
+    rope_base: float = 10000.0  # RoPE frequency base
+    head_dim: int = field(init=False, default=0)  # derived: embed_dim // num_heads
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "num_layers", "num_heads", "embed_dim", "max_seq_len"):
+            value = getattr(self, name)
+            check(value >= 1, f"{name} must be a positive integer, got {value}")
+        check(self.embed_dim % self.num_heads == 0,
+              f"embed_dim={self.embed_dim} must be divisible by num_heads={self.num_heads}")
+        if self.num_kv_heads is not None:
+            check(self.num_kv_heads >= 1 and self.num_heads % self.num_kv_heads == 0,
+                  f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
+        check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
+        check(self.mlp_ratio > 0, f"mlp_ratio must be positive, got {self.mlp_ratio}")
+        check_choice("position", self.position, POSITIONS)
+        check_choice("norm", self.norm, NORMS)
+        check_choice("norm_placement", self.norm_placement, BLOCKS)
+        check_choice("mlp", self.mlp, MLPS)
+        check_choice("attention", self.attention, ATTENTION_BACKENDS)
+        self.head_dim = self.embed_dim // self.num_heads
+        if self.position == "rope":
+            check(self.head_dim % 2 == 0, f"position 'rope' needs an even head_dim, got {self.head_dim}")
+
+    @classmethod
+    def from_name(cls, name: str, **overrides) -> GPTConfig:
+        """A preset by name (see ``GPT_PRESETS``) with fields overridden."""
+        if name not in GPT_PRESETS:
+            raise ConfigError(f"unknown GPT preset {name!r}{did_you_mean(name, GPT_PRESETS)}; "
+                              f"known: {', '.join(GPT_PRESETS)}")
+        return cls(**{**GPT_PRESETS[name], **overrides})
+
+
+GPT_PRESETS: dict[str, dict] = {
+    "tiny": dict(num_layers=4, num_heads=4, embed_dim=128, max_seq_len=64),
+    "shakespeare-char": dict(vocab_size=65, num_layers=6, num_heads=6, embed_dim=384, max_seq_len=256),
+    "gpt2": dict(vocab_size=50257, num_layers=12, num_heads=12, embed_dim=768, max_seq_len=1024,
+                 mlp="gelu_tanh"),
+    "gpt2-medium": dict(vocab_size=50257, num_layers=24, num_heads=16, embed_dim=1024, max_seq_len=1024,
+                        mlp="gelu_tanh"),
+    "llama-tiny": dict(num_layers=4, num_heads=8, num_kv_heads=2, embed_dim=256, max_seq_len=256,
+                       position="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False),
+}
+
+
+class GPT(nn.Module):
+    """Token embedding (+ positions) -> L blocks -> final norm -> vocabulary logits."""
+
+    def __init__(self, config: GPTConfig) -> None:
+        super().__init__()
+        self.config = config
+        c = config
+        self.tok_embed = nn.Embedding(c.vocab_size, c.embed_dim)
+        self.position = POSITIONS.get(c.position)(
+            embed_dim=c.embed_dim, num_heads=c.num_heads, head_dim=c.head_dim, max_seq_len=c.max_seq_len,
+            **({"base": c.rope_base} if c.position == "rope" else {}))
+        self.embed_dropout = nn.Dropout(c.dropout)
+        self.blocks = nn.ModuleList(
+            create_block(c.norm_placement, c.embed_dim, c.num_heads, c.num_kv_heads,
+                         hidden_dim=int(c.mlp_ratio * c.embed_dim), mlp=c.mlp, norm=c.norm, attention=c.attention,
+                         dropout=c.dropout, bias=c.bias, norm_eps=c.norm_eps)
+            for _ in range(c.num_layers))
+        # post-norm blocks end in a norm already; pre-norm needs one before the head
+        self.final_norm = create_norm(c.norm, c.embed_dim, bias=c.bias, eps=c.norm_eps) \
+            if c.norm_placement == "pre" else nn.Identity()
+        self.lm_head = nn.Linear(c.embed_dim, c.vocab_size, bias=False)
+        self.apply(self._init_weights)
+        for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2L)
+            if name.endswith(("out_proj.weight", "fc_out.weight")):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * c.num_layers))
+        if c.tie_embeddings:
+            self.lm_head.weight = self.tok_embed.weight
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def num_params(self, non_embedding: bool = False) -> int:
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding:
+            n -= self.tok_embed.weight.numel()
+        return n
+
+    def create_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None) -> KVCache:
+        """A preallocated cache for ``batch_size`` sequences of up to ``max_len`` (default: max_seq_len)."""
+        c = self.config
+        ref = self.tok_embed.weight
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads or c.num_heads, max_len or c.max_seq_len,
+                       c.head_dim, dtype=dtype or ref.dtype, device=device or ref.device)
+
+    def _attention_inputs(self, T: int, past: int, attention_mask: Tensor | None, device: torch.device,
+                          dtype: torch.dtype) -> tuple[Tensor | None, bool]:
+        """The mask every layer uses, built once per forward: (attn_mask, is_causal)."""
+        S = past + T
+        index = torch.arange(S, device=device)
+        bias = self.position.bias(index[past:], index)  # (1, H, T, S) or None
+        if bias is None and attention_mask is None:
+            if T == 1:
+                return None, False
+            if past == 0:
+                return None, True  # the fused kernels' own causal path
+            return causal_mask(T, S, device), False
+        allowed = causal_mask(T, S, device)[None, None] if T > 1 else None
+        if attention_mask is not None:
+            pad = padding_mask(attention_mask)
+            allowed = pad if allowed is None else allowed & pad
+        mask = None
+        if allowed is not None:
+            mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
+            mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+        if bias is not None:
+            mask = bias.to(dtype) if mask is None else mask + bias.to(dtype)
+        return mask, False
+
+    def forward_features(self, input_ids: Tensor, *, positions: Tensor | None = None,
+                         attention_mask: Tensor | None = None, cache: KVCache | None = None,
+                         need_weights: bool = False) -> tuple[Tensor, list[Tensor | None]]:
+        """(B, T) ids -> (B, T, C) final hidden states, and per-layer attention probabilities
+        (B, H, T, S) when ``need_weights`` and the backend returns them (``math``).
+
+        ``attention_mask`` (B, S) marks real tokens (1) and padding (0) over cached + new positions.
+        """
+        B, T = input_ids.shape
+        past = cache.length if cache is not None else 0
+        S = past + T
+        if S > self.config.max_seq_len or (cache is not None and S > cache.max_len):
+            limit = min(self.config.max_seq_len, cache.max_len if cache is not None else self.config.max_seq_len)
+            raise GenerationError(f"sequence of {S} positions exceeds the model's context of {limit}")
+        device = input_ids.device
+        if positions is None:
+            if attention_mask is not None:
+                positions = positions_from_mask(attention_mask)[:, past:]
+            else:
+                positions = torch.arange(past, S, device=device)[None].expand(B, T)
+        x = self.tok_embed(input_ids)  # (B, T, C)
+        added = self.position.embed(positions)
+        if added is not None:
+            x = x + added
+        x = self.embed_dropout(x)
+        rope = self.position.rotary(positions)
+        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") and device.type == "cpu" \
+            else x.dtype
+        attn_mask, is_causal = self._attention_inputs(T, past, attention_mask, device, dtype)
+        weights = []
+        for i, block in enumerate(self.blocks):
+            kwargs = dict(attn_mask=attn_mask, is_causal=is_causal, rope=rope,
+                          kv_cache=cache.layer(i) if cache is not None else None, cache_pos=past,
+                          need_weights=need_weights)
+            if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x, w = checkpoint(block, x, use_reentrant=False, **kwargs)
+            else:
+                x, w = block(x, **kwargs)
+            weights.append(w)
+        if cache is not None:
+            cache.advance(T)
+        return self.final_norm(x), weights
+
+    def forward_head(self, hidden: Tensor) -> Tensor:
+        """(B, T, C) -> (B, T, V) logits."""
+        return self.lm_head(hidden)
+
+    def forward(self, input_ids: Tensor, *, positions: Tensor | None = None, attention_mask: Tensor | None = None,
+                cache: KVCache | None = None) -> Tensor:
+        """(B, T) token ids -> (B, T, V) logits."""
+        hidden, _ = self.forward_features(input_ids, positions=positions, attention_mask=attention_mask,
+                                          cache=cache)
+        return self.forward_head(hidden)
+
+    def with_config(self, **overrides) -> GPTConfig:
+        return replace(self.config, **overrides)
+
+
+MODELS.register("gpt")((GPTConfig, GPT))

@@ -1,0 +1,14 @@
+"""Building blocks: attention and its backends, KV cache, positions, norms, MLPs, blocks, masks."""
+
+from .attention import ATTENTION_BACKENDS, MultiHeadAttention
+from .block import BLOCKS, PostNormBlock, PreNormBlock, create_block
+from .kv_cache import KVCache
+from .mlp import MLPS, create_mlp
+from .norms import NORMS, LayerNorm, RMSNorm, create_norm
+from .positions import POSITIONS, Position, apply_rotary, create_position
+
+__all__ = [
+    "ATTENTION_BACKENDS", "BLOCKS", "MLPS", "NORMS", "POSITIONS", "KVCache", "LayerNorm", "MultiHeadAttention",
+    "Position", "PostNormBlock", "PreNormBlock", "RMSNorm", "apply_rotary", "create_block", "create_mlp",
+    "create_norm", "create_position",
+]

@@ -1,0 +1,121 @@
+"""Multi-head attention (self, causal, cross; grouped-query via ``num_kv_heads``) and its backends.
+
+Backends, by name (``ATTENTION_BACKENDS``), share one signature::
+
+    backend(q, k, v, attn_mask, is_causal, dropout_p, need_weights) -> (out, weights | None)
+
+with q (B, H, Tq, D), k and v (B, Hkv, Tk, D), ``attn_mask`` None, bool (True = may attend) or an
+additive float mask broadcastable to (B, H, Tq, Tk), and out (B, H, Tq, D).
+
+* ``sdpa``: torch's fused ``scaled_dot_product_attention`` (flash / memory-efficient kernels); the
+  default. It never returns weights.
+* ``math``: the explicit ``softmax(q k^T / sqrt(D) + mask) v``; returns the probabilities when asked.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from ..registry import Registry
+from .positions import apply_rotary
+
+Backend = Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float, bool], tuple[Tensor, Tensor | None]]
+ATTENTION_BACKENDS: Registry[Backend] = Registry("attention backend")
+
+
+@ATTENTION_BACKENDS.register("sdpa")
+def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+                   dropout_p: float, need_weights: bool) -> tuple[Tensor, None]:
+    gqa = q.shape[1] != k.shape[1]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
+                                         is_causal=is_causal and attn_mask is None, enable_gqa=gqa)
+    return out, None
+
+
+@ATTENTION_BACKENDS.register("math")
+def math_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+                   dropout_p: float, need_weights: bool) -> tuple[Tensor, Tensor | None]:
+    if q.shape[1] != k.shape[1]:  # grouped-query: each kv head serves H / Hkv query heads
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, Tq, Tk)
+    if is_causal and attn_mask is None:
+        tq, tk = scores.shape[-2:]
+        causal = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
+        scores = scores.masked_fill(~causal, float("-inf"))
+    elif attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)
+        else:
+            scores = scores + attn_mask
+    probs = scores.float().softmax(dim=-1).to(q.dtype)
+    dropped = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
+    return dropped @ v, (probs if need_weights else None)
+
+
+class MultiHeadAttention(nn.Module):
+    """Scaled dot-product attention over ``num_heads`` heads.
+
+    Self-attention projects q, k and v with one fused matmul; with ``cross=True`` the keys and values
+    come from ``memory`` (an encoder's output). ``num_kv_heads < num_heads`` shares each key/value head
+    among ``num_heads // num_kv_heads`` query heads (grouped-query attention; 1 = multi-query).
+    """
+
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *, bias: bool = True,
+                 dropout: float = 0.0, backend: str = "sdpa", cross: bool = False) -> None:
+        super().__init__()
+        num_kv_heads = num_kv_heads or num_heads
+        if embed_dim % num_heads:
+            raise ValueError(f"embed_dim={embed_dim} must be divisible by num_heads={num_heads}")
+        if num_heads % num_kv_heads:
+            raise ValueError(f"num_heads={num_heads} must be divisible by num_kv_heads={num_kv_heads}")
+        self.num_heads, self.num_kv_heads = num_heads, num_kv_heads
+        self.head_dim = embed_dim // num_heads
+        self.cross = cross
+        kv_dim = 2 * num_kv_heads * self.head_dim
+        if cross:
+            self.q_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+            self.kv_proj = nn.Linear(embed_dim, kv_dim, bias=bias)
+        else:
+            self.qkv_proj = nn.Linear(embed_dim, embed_dim + kv_dim, bias=bias)
+        self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        self.dropout = dropout
+        self.backend_name = backend
+        self.backend = ATTENTION_BACKENDS.get(backend)
+
+    def forward(self, x: Tensor, *, attn_mask: Tensor | None = None, is_causal: bool = False,
+                rope: tuple[Tensor, Tensor] | None = None, kv_cache: tuple[Tensor, Tensor] | None = None,
+                cache_pos: int = 0, memory: Tensor | None = None,
+                need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+        """x (B, T, C) -> (B, T, C), and the (B, H, T, Tk) probabilities when ``need_weights`` and the
+        backend can give them.
+
+        ``kv_cache`` is a layer's preallocated (k, v) pair, each (B, Hkv, S, D): the new keys and values
+        are written at ``cache_pos`` and attention runs over positions ``[0, cache_pos + T)``.
+        """
+        B, T, C = x.shape
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.cross:
+            assert memory is not None, "cross-attention needs memory"
+            q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+            k, v = self.kv_proj(memory).view(B, -1, 2, Hkv, D).permute(2, 0, 3, 1, 4)  # 2 x (B, Hkv, S, D)
+        else:
+            qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2Hkv, T, D)
+            q, k, v = qkv.split((H, Hkv, Hkv), dim=1)
+            if rope is not None:
+                q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            if kv_cache is not None:
+                k_buf, v_buf = kv_cache
+                end = cache_pos + T
+                k_buf[:, :, cache_pos:end] = k
+                v_buf[:, :, cache_pos:end] = v
+                k, v = k_buf[:, :, :end], v_buf[:, :, :end]
+        dropout = self.dropout if self.training else 0.0
+        out, weights = self.backend(q, k, v, attn_mask, is_causal, dropout, need_weights)
+        out = out.transpose(1, 2).reshape(B, T, C)  # (B, T, H*D)
+        return self.out_proj(out), weights

@@ -1,0 +1,66 @@
+"""Transformer blocks: attention and MLP sublayers with residuals, norm placement by name.
+
+* ``pre`` (GPT-2, most modern models): ``x = x + attn(norm1(x)); x = x + mlp(norm2(x))``.
+* ``post`` (the original Transformer): ``x = norm1(x + attn(x)); x = norm2(x + mlp(x))``.
+
+A decoder block of an encoder-decoder model adds a cross-attention sublayer between the two.
+Shapes: x (B, T, C); memory (B, S, C).
+"""
+
+from __future__ import annotations
+
+from torch import Tensor, nn
+
+from ..registry import Registry
+from .attention import MultiHeadAttention
+from .mlp import create_mlp
+from .norms import create_norm
+
+BLOCKS: Registry[type[nn.Module]] = Registry("norm placement")
+
+
+class _Block(nn.Module):
+    def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *, hidden_dim: int,
+                 mlp: str = "gelu", norm: str = "layernorm", attention: str = "sdpa", dropout: float = 0.0,
+                 bias: bool = True, cross_attention: bool = False, norm_eps: float | None = None) -> None:
+        super().__init__()
+        self.attn = MultiHeadAttention(embed_dim, num_heads, num_kv_heads, bias=bias, dropout=dropout,
+                                       backend=attention)
+        self.norm1 = create_norm(norm, embed_dim, bias=bias, eps=norm_eps)
+        if cross_attention:
+            self.cross_attn = MultiHeadAttention(embed_dim, num_heads, num_kv_heads, bias=bias,
+                                                 dropout=dropout, backend=attention, cross=True)
+            self.norm_cross = create_norm(norm, embed_dim, bias=bias, eps=norm_eps)
+        else:
+            self.cross_attn = None
+        self.mlp = create_mlp(mlp, embed_dim, hidden_dim, bias=bias, dropout=dropout)
+        self.norm2 = create_norm(norm, embed_dim, bias=bias, eps=norm_eps)
+        self.resid_dropout = nn.Dropout(dropout)
+
+
+@BLOCKS.register("pre")
+class PreNormBlock(_Block):
+    def forward(self, x: Tensor, *, memory: Tensor | None = None, memory_mask: Tensor | None = None,
+                need_weights: bool = False, **attn_kwargs) -> tuple[Tensor, Tensor | None]:
+        h, weights = self.attn(self.norm1(x), need_weights=need_weights, **attn_kwargs)
+        x = x + self.resid_dropout(h)
+        if self.cross_attn is not None:
+            h, _ = self.cross_attn(self.norm_cross(x), memory=memory, attn_mask=memory_mask)
+            x = x + self.resid_dropout(h)
+        return x + self.mlp(self.norm2(x)), weights
+
+
+@BLOCKS.register("post")
+class PostNormBlock(_Block):
+    def forward(self, x: Tensor, *, memory: Tensor | None = None, memory_mask: Tensor | None = None,
+                need_weights: bool = False, **attn_kwargs) -> tuple[Tensor, Tensor | None]:
+        h, weights = self.attn(x, need_weights=need_weights, **attn_kwargs)
+        x = self.norm1(x + self.resid_dropout(h))
+        if self.cross_attn is not None:
+            h, _ = self.cross_attn(x, memory=memory, attn_mask=memory_mask)
+            x = self.norm_cross(x + self.resid_dropout(h))
+        return self.norm2(x + self.mlp(x)), weights
+
+
+def create_block(norm_placement: str, *args, **kwargs) -> nn.Module:
+    return BLOCKS.get(norm_placement)(*args, **kwargs)
