@@ -1,0 +1,243 @@
+"""Training throughput: tokenloom GPT vs Hugging Face GPT2LMHeadModel of the same shape and weights.
+
+Each variant trains a fresh copy of the same initial weights with AdamW(lr=3e-4, torch's default
+fused/foreach choice) on the same random token batches. The loss is computed the same way for both
+models (logits, then ``F.cross_entropy``), so what differs is the model forward/backward only.
+
+    python benchmarks/bench_train.py                          # small and medium shapes
+    python benchmarks/bench_train.py --shapes small --timed-steps 50 --out train.json
+    python benchmarks/bench_train.py --loss-curve 500         # bf16 vs fp32 loss on Tiny Shakespeare
+
+``--loss-curve N`` trains tokenloom in fp32 and under bf16 autocast from the same init on the same
+batches of real char-level text (medium shape) and prints the validation loss at N/4, N/2 and N.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import json
+import os
+import platform
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from tokenloom.interop import to_hf_gpt2
+from tokenloom.models.gpt import GPT, GPTConfig
+
+SHAPES: dict[str, dict] = {
+    "small": dict(num_layers=4, embed_dim=128, num_heads=4, max_seq_len=64, batch_size=12, timed_steps=20),
+    "medium": dict(num_layers=6, embed_dim=384, num_heads=6, max_seq_len=256, batch_size=8, timed_steps=10),
+}
+VOCAB = 65
+DEFAULT_DATA = Path(__file__).resolve().parent.parent / "data" / "tinyshakespeare" / "input.txt"
+
+
+def model_config(shape: str, vocab_size: int = VOCAB) -> GPTConfig:
+    s = SHAPES[shape]
+    return GPTConfig(vocab_size=vocab_size, num_layers=s["num_layers"], num_heads=s["num_heads"],
+                     embed_dim=s["embed_dim"], max_seq_len=s["max_seq_len"], dropout=0.0)
+
+
+def autocast(bf16: bool) -> contextlib.AbstractContextManager:
+    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+
+
+def logits_fn(model: nn.Module, is_hf: bool) -> Callable[[Tensor], Tensor]:
+    if is_hf:
+        return lambda ids: model(input_ids=ids, use_cache=False).logits
+    return model
+
+
+def train_steps(model: nn.Module, is_hf: bool, bf16: bool, batches: list[tuple[Tensor, Tensor]],
+                warmup: int) -> tuple[float, float]:
+    """Train on ``batches``; return (seconds for the batches after ``warmup``, last loss)."""
+    model.train()
+    forward = logits_fn(model, is_hf)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    start = 0.0
+    loss = torch.zeros(())
+    for step, (x, y) in enumerate(batches):
+        if step == warmup:
+            start = time.perf_counter()
+        with autocast(bf16):
+            logits = forward(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return time.perf_counter() - start, float(loss.detach())
+
+
+def random_batches(n: int, batch_size: int, seq_len: int, seed: int) -> list[tuple[Tensor, Tensor]]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (batch_size, seq_len + 1), generator=gen)
+        out.append((ids[:, :-1].contiguous(), ids[:, 1:].contiguous()))
+    return out
+
+
+VARIANTS = [  # (label, is_hf, bf16)
+    ("HF fp32", True, False),
+    ("tokenloom fp32", False, False),
+    ("tokenloom bf16", False, True),
+    ("HF bf16", True, True),
+]
+
+
+def bench_shape(shape: str, warmup: int, timed: int, repeats: int, seed: int) -> list[dict]:
+    s = SHAPES[shape]
+    torch.manual_seed(seed)
+    base = GPT(model_config(shape))
+    batches = random_batches(warmup + timed, s["batch_size"], s["max_seq_len"], seed)
+    tokens = timed * s["batch_size"] * s["max_seq_len"]
+    rows = []
+    for label, is_hf, bf16 in VARIANTS:
+        times, loss = [], float("nan")
+        for _ in range(repeats):
+            model = to_hf_gpt2(copy.deepcopy(base)) if is_hf else copy.deepcopy(base)
+            seconds, loss = train_steps(model, is_hf, bf16, batches, warmup)
+            times.append(seconds)
+            del model
+        rows.append(dict(shape=shape, variant=label, tokens_per_s=tokens / min(times), seconds=min(times),
+                         timed_steps=timed, warmup_steps=warmup, batch_size=s["batch_size"],
+                         seq_len=s["max_seq_len"], last_loss=loss))
+        print(f"  {shape:<7} {label:<15} {tokens / min(times):>10.0f} tok/s", file=sys.stderr, flush=True)
+    ref = next(r["tokens_per_s"] for r in rows if r["variant"] == "HF fp32")
+    for r in rows:
+        r["vs_hf_fp32"] = r["tokens_per_s"] / ref
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'shape':<8} {'variant':<16} {'tokens/s':>10} {'vs HF fp32':>11} {'ms/step':>9} "
+          f"{'last loss':>10}")
+    for r in rows:
+        ms = 1000 * r["seconds"] / r["timed_steps"]
+        print(f"{r['shape']:<8} {r['variant']:<16} {r['tokens_per_s']:>10.0f} {r['vs_hf_fp32']:>10.2f}x "
+              f"{ms:>9.1f} {r['last_loss']:>10.4f}")
+
+
+# ---------------------------------------------------------------- loss curve on real text
+
+def load_chars(path: Path) -> tuple[Tensor, int]:
+    text = path.read_text(encoding="utf-8")
+    chars = sorted(set(text))
+    index = {c: i for i, c in enumerate(chars)}
+    return torch.tensor([index[c] for c in text], dtype=torch.long), len(chars)
+
+
+def windows(data: Tensor, starts: Tensor, seq_len: int) -> tuple[Tensor, Tensor]:
+    rows = torch.stack([data[i: i + seq_len + 1] for i in starts.tolist()])  # (B, T + 1)
+    return rows[:, :-1], rows[:, 1:]
+
+
+@torch.no_grad()
+def eval_loss(model: GPT, val: list[tuple[Tensor, Tensor]], bf16: bool) -> float:
+    model.eval()
+    total = 0.0
+    for x, y in val:
+        with autocast(bf16):
+            logits = model(x)
+            total += float(F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1)))
+    model.train()
+    return total / len(val)
+
+
+def loss_curve(steps: int, data_path: Path, seed: int) -> dict:
+    data, vocab = load_chars(data_path)
+    split = int(0.9 * len(data))
+    train, val_data = data[:split], data[split:]
+    s = SHAPES["medium"]
+    B, T = s["batch_size"], s["max_seq_len"]
+    gen = torch.Generator().manual_seed(seed)
+    train_starts = [torch.randint(0, len(train) - T - 1, (B,), generator=gen) for _ in range(steps)]
+    val_gen = torch.Generator().manual_seed(seed + 1)
+    val = [windows(val_data, torch.randint(0, len(val_data) - T - 1, (B,), generator=val_gen), T)
+           for _ in range(8)]
+    checkpoints = sorted({max(1, steps // 4), max(1, steps // 2), steps})
+    torch.manual_seed(seed)
+    init = GPT(model_config("medium", vocab_size=vocab))
+    result: dict = {"steps": steps, "checkpoints": checkpoints, "runs": {}}
+    for label, bf16 in (("fp32", False), ("bf16", True)):
+        model = copy.deepcopy(init)
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        curve = []
+        start = time.perf_counter()
+        for step in range(1, steps + 1):
+            x, y = windows(train, train_starts[step - 1], T)
+            with autocast(bf16):
+                logits = model(x)
+                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if step in checkpoints:
+                point = dict(step=step, train_loss=float(loss.detach()),
+                             val_loss_fp32=eval_loss(model, val, False),
+                             val_loss_bf16=eval_loss(model, val, True))
+                curve.append(point)
+                print(f"  {label} step {step}: val loss (fp32 eval) {point['val_loss_fp32']:.4f}",
+                      file=sys.stderr, flush=True)
+        result["runs"][label] = dict(curve=curve, seconds=time.perf_counter() - start)
+    print(f"\nloss curve: medium shape, Tiny Shakespeare chars (vocab {vocab}), batch {B} x {T}, "
+          f"AdamW lr 3e-4, {steps} steps; val = 8 fixed batches from the last 10% of the text")
+    print(f"{'step':>6} {'fp32 val':>9} {'bf16 val':>9} {'|diff|':>7} {'bf16 val (bf16 eval)':>21}")
+    for a, b in zip(result["runs"]["fp32"]["curve"], result["runs"]["bf16"]["curve"], strict=True):
+        diff = abs(a["val_loss_fp32"] - b["val_loss_fp32"])
+        print(f"{a['step']:>6} {a['val_loss_fp32']:>9.4f} {b['val_loss_fp32']:>9.4f} {diff:>7.4f} "
+              f"{b['val_loss_bf16']:>21.4f}")
+    for label, run in result["runs"].items():
+        print(f"{label} training: {run['seconds']:.1f} s ({1000 * run['seconds'] / steps:.0f} ms/step)")
+    return result
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--shapes", default="small,medium", help=f"comma-separated, from {', '.join(SHAPES)}")
+    parser.add_argument("--warmup-steps", type=int, default=3)
+    parser.add_argument("--timed-steps", type=int, default=None,
+                        help="timed steps per variant (default: 20 for small, 10 for medium)")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="time each variant this many times, keep the best")
+    parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
+                        help="torch.set_num_threads (default: all cores)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--loss-curve", type=int, default=0, metavar="N",
+                        help="instead of timing, train tokenloom fp32 and bf16 for N steps on real text")
+    parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="text file for --loss-curve")
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    info = dict(torch=torch.__version__, threads=args.threads, date=time.strftime("%Y-%m-%d"),
+                machine=platform.processor() or platform.machine())
+    print(f"torch {torch.__version__}, {args.threads} threads, {info['machine']}")
+    if args.loss_curve:
+        results: dict = dict(info, loss_curve=loss_curve(args.loss_curve, args.data, args.seed))
+    else:
+        rows = []
+        for shape in args.shapes.split(","):
+            shape = shape.strip()
+            if shape not in SHAPES:
+                parser.error(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+            timed = args.timed_steps or SHAPES[shape]["timed_steps"]
+            rows += bench_shape(shape, args.warmup_steps, timed, args.repeats, args.seed)
+        print()
+        print_table(rows)
+        results = dict(info, train=rows)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""The checkpoint directory, one format everywhere::
+
+    config.yaml         the run's settings: model (with its family), data/tokenizer, training
+    model.safetensors   weights (never unpickled)
+    tokenizer.json      Hugging Face tokenizers format
+    trainer_state.pt    only for resuming: optimizer, scheduler, RNG states, step (written by training)
+
+A training run directory holds its checkpoint in ``<run>/checkpoint/``. Each checkpoint is written to
+``checkpoint.tmp`` and swapped in by renames, so a crash never leaves a half-written checkpoint: at any
+moment ``checkpoint`` (or, mid-swap, ``checkpoint.old``) is complete.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from .config import load_yaml, save_yaml
+from .errors import CheckpointError, ConfigError
+from .models.factory import create_model, model_config_from_dict
+
+CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, STATE_FILE = "config.yaml", "model.safetensors", "tokenizer.json", \
+    "trainer_state.pt"
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory, or a run directory holding one -> the checkpoint directory."""
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    for candidate in (path, path / "checkpoint", path / "checkpoint.old"):
+        if (candidate / CONFIG_FILE).is_file():
+            return candidate
+    raise CheckpointError(f"{path} is not a checkpoint directory (no {CONFIG_FILE} in it or in "
+                          f"{path / 'checkpoint'})")
+
+
+def _state_dict_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Contiguous tensors, shared (tied) weights stored once."""
+    seen: dict[int, str] = {}
+    out = {}
+    for name, tensor in model.state_dict().items():
+        key = tensor.data_ptr()
+        if key in seen and tensor.numel() > 0:
+            continue
+        seen[key] = name
+        out[name] = tensor.detach().contiguous().cpu()
+    return out
+
+
+def write_checkpoint(directory: str | Path, model: nn.Module, config: dict[str, Any], tokenizer: Any = None,
+                     extra: Callable[[Path], None] | None = None, dtype: torch.dtype | None = None) -> Path:
+    """Write a complete checkpoint to ``directory`` atomically (temp dir + renames).
+
+    ``extra(tmp_dir)`` may add files (the trainer's state) before the swap. ``dtype`` stores floating
+    weights in another precision (e.g. bf16 for a small bundled checkpoint).
+    """
+    directory = Path(directory)
+    tmp = directory.with_name(directory.name + ".tmp")
+    old = directory.with_name(directory.name + ".old")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    tensors = _state_dict_for_saving(model)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+    save_yaml(config, tmp / CONFIG_FILE)
+    if tokenizer is not None:
+        tokenizer.save(tmp / TOKENIZER_FILE)
+    if extra is not None:
+        extra(tmp)
+    for f in tmp.iterdir():  # make the files durable before they become visible
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    if directory.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.replace(directory, old)
+    os.replace(tmp, directory)
+    shutil.rmtree(old, ignore_errors=True)
+    return directory
+
+
+def read_config(path: str | Path) -> dict[str, Any]:
+    ckpt = resolve_checkpoint(path)
+    try:
+        return load_yaml(ckpt / CONFIG_FILE)
+    except ConfigError as err:
+        raise CheckpointError(f"corrupt checkpoint config: {err}") from None
+
+
+def load_model(path: str | Path, device: str | torch.device = "cpu",
+               dtype: torch.dtype | None = torch.float32) -> tuple[nn.Module, dict[str, Any]]:
+    """(model in eval mode, the checkpoint's config dict). Errors are one-line :class:`CheckpointError`."""
+    ckpt = resolve_checkpoint(path)
+    config = read_config(ckpt)
+    try:
+        family, model_config = model_config_from_dict(config.get("model", {}))
+    except ConfigError as err:
+        raise CheckpointError(f"{ckpt / CONFIG_FILE}: {err}") from None
+    model = create_model(family, model_config)
+    load_weights(model, ckpt)
+    if dtype is not None:
+        model.to(dtype)
+    return model.to(device).eval(), config
+
+
+def load_weights(model: nn.Module, path: str | Path) -> None:
+    """Load ``model.safetensors`` of a checkpoint into ``model``, checking names and shapes."""
+    weights = resolve_checkpoint(path) / WEIGHTS_FILE
+    if not weights.is_file():
+        raise CheckpointError(f"checkpoint is missing its weights: {weights}")
+    try:
+        state = load_file(str(weights))
+    except (SafetensorError, OSError, ValueError) as err:
+        raise CheckpointError(f"{weights} is truncated or corrupt ({str(err).splitlines()[0]})") from None
+    expected = model.state_dict()
+    missing = [k for k in expected if k not in state and not _is_tied(model, k, state)]
+    unexpected = [k for k in state if k not in expected]
+    if missing or unexpected:
+        raise CheckpointError(f"{weights} does not match its config: missing {missing[:3]}, "
+                              f"unexpected {unexpected[:3]}")
+    for name, tensor in state.items():
+        if tensor.shape != expected[name].shape:
+            raise CheckpointError(f"{weights}: {name} has shape {tuple(tensor.shape)}, the config needs "
+                                  f"{tuple(expected[name].shape)}")
+    with torch.no_grad():
+        for name, tensor in state.items():
+            expected[name].copy_(tensor)
+
+
+def _is_tied(model: nn.Module, name: str, state: dict[str, torch.Tensor]) -> bool:
+    """True when ``name`` shares storage with a saved parameter (tied embeddings)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    if name not in params:
+        return False
+    ptr = params[name].data_ptr()
+    return any(p.data_ptr() == ptr and other in state for other, p in params.items() if other != name)
+
+
+def load_tokenizer(path: str | Path):
+    from .data.tokenizers import Tokenizer
+
+    return Tokenizer.from_file(resolve_checkpoint(path) / TOKENIZER_FILE)

@@ -1,0 +1,141 @@
+"""The work behind each CLI command; each returns the process exit status."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import load_model, load_tokenizer, read_config, resolve_checkpoint
+from ..errors import ConfigError, GenerationError
+
+
+def train(args: argparse.Namespace) -> int:
+    from ..training import load_run_config, setup_run
+
+    out = Path(args.out)
+    if args.resume:
+        if not args.recipe and not out.exists():
+            raise ConfigError(f"--resume: no run directory at {out}")
+        config = load_run_config(read_config(out), args.overrides)
+    else:
+        if not args.recipe:
+            raise ConfigError("a recipe is needed (or --resume to continue a run)")
+        if (out / "checkpoint").exists():
+            raise ConfigError(f"{out} already holds a checkpoint: add --resume to continue it, or choose "
+                              f"another --out")
+        config = load_run_config(args.recipe, args.overrides)
+    trainer = setup_run(config, out, resume=args.resume)
+    n_params = sum(p.numel() for p in trainer.model.parameters())
+    t = config.train
+    print(f"training {config.task} model ({n_params / 1e6:.2f}M parameters, {t.precision}) for "
+          f"{t.max_steps} steps from step {trainer.step} -> {out}", file=sys.stderr)
+    summary = trainer.fit()
+    print(f"step {summary['step']}: train_loss {summary['train_loss']:.4f}  "
+          f"val_loss {summary.get('val_loss', float('nan')):.4f}  ({summary['stopped_by']}, "
+          f"{summary['seconds']:.0f}s)", file=sys.stderr)
+    print(f"checkpoint: {trainer.checkpoint_dir}", file=sys.stderr)
+    if args.sample:
+        model = trainer.model.eval()
+        _stream_text(model, trainer.tokenizer, "\n", _gen_config(max_new_tokens=args.sample, temperature=0.8,
+                                                                  top_k=40, seed=t.seed))
+    return 0
+
+
+def _gen_config(**kwargs):
+    from ..generation import GenerationConfig
+
+    return GenerationConfig(**kwargs)
+
+
+def _stream_text(model, tokenizer, prompt: str, config, precision: str = "fp32") -> str:
+    """Print ``prompt`` and its continuation as the tokens arrive; returns the continuation."""
+    from ..generation import stream
+
+    ids = tokenizer.encode(prompt)
+    if not ids:
+        raise GenerationError("the prompt is empty after tokenization")
+    input_ids = torch.tensor([ids])
+    sys.stdout.write(prompt)
+    sys.stdout.flush()
+    new: list[int] = []
+    shown = ""
+    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else _null()
+    with ctx:
+        for token in stream(model, input_ids, config, tokenizer=tokenizer):
+            new.append(int(token[0]))
+            text = tokenizer.decode(new)
+            if text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
+                continue
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+    text = tokenizer.decode(new)
+    sys.stdout.write(text[len(shown):] + "\n")
+    sys.stdout.flush()
+    return text
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def generate(args: argparse.Namespace) -> int:
+    if args.num_samples < 1:
+        raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
+    model, _ = load_model(args.checkpoint)
+    tokenizer = load_tokenizer(args.checkpoint)
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1} ---")
+        seed = None if args.seed is None else args.seed + i
+        config = _gen_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             do_sample=not args.greedy and args.temperature > 0, top_k=args.top_k,
+                             top_p=args.top_p, repetition_penalty=args.repetition_penalty,
+                             stop_strings=list(args.stop), eos_token_id=tokenizer.eos_id, seed=seed)
+        _stream_text(model, tokenizer, args.prompt, config, args.precision)
+    return 0
+
+
+def evaluate(args: argparse.Namespace) -> int:
+    from ..data.text import TextDataset
+    from ..tasks import LMTask
+    from ..training import autocast
+
+    ckpt = resolve_checkpoint(args.checkpoint)
+    config = read_config(ckpt)
+    if config.get("task", "lm") != "lm":
+        raise ConfigError(f"evaluate supports task 'lm' so far, the checkpoint is {config.get('task')!r}")
+    model, _ = load_model(ckpt)
+    tokenizer = load_tokenizer(ckpt)
+    data = config.get("data", {})
+    path = Path(args.data or data.get("path", ""))
+    seq_len = (config.get("train") or {}).get("seq_len") or model.config.max_seq_len
+    with tempfile.TemporaryDirectory(prefix="tokenloom-eval-") as tmp:
+        dataset = TextDataset.prepare(path, tokenizer, tmp, val_fraction=data.get("val_fraction", 0.1))
+        task = LMTask(dataset, batch_size=args.batch_size, seq_len=seq_len)
+        start = time.perf_counter()
+        with autocast(args.precision):
+            metrics = task.evaluate(model, max_batches=args.batches, split=args.split)
+        seconds = time.perf_counter() - start
+    tokens = metrics.pop("tokens", None)
+    result = {"checkpoint": str(ckpt), "data": str(path), "split": args.split, **metrics,
+              "seconds": round(seconds, 2)}
+    if tokens:
+        result["tokens"] = tokens
+        result["tokens_per_s"] = round(tokens / seconds, 1)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>14}: {value:.4f}" if isinstance(value, float) else f"{key:>14}: {value}")
+    return 0

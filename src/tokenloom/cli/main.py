@@ -1,0 +1,94 @@
+"""``tokenloom train | generate | evaluate``.
+
+Errors a user can cause print one line (``error: ...``) and exit with status 2; Ctrl-C exits 130.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+
+from ..errors import TokenloomError
+
+
+def _add_train(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("train", help="train a model from a YAML recipe",
+                       description="Train from a recipe; the run directory holds the checkpoint and metrics.")
+    p.add_argument("recipe", nargs="?", help="YAML recipe (optional with --resume: the run's own config is used)")
+    p.add_argument("--out", required=True, help="run directory (checkpoint, metrics.jsonl, token cache)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a recipe value, e.g. --set train.max_steps=500 (repeatable)")
+    p.add_argument("--resume", action="store_true", help="continue exactly from the run's last checkpoint")
+    p.add_argument("--sample", type=int, default=0, metavar="N",
+                   help="print N characters/tokens of generated text after training")
+    p.set_defaults(func=_run("train"))
+
+
+def _add_generate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("generate", help="generate text from a checkpoint",
+                       description="Generate text from a checkpoint, printing it as it is produced.")
+    p.add_argument("checkpoint", help="checkpoint or run directory")
+    p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--repetition-penalty", type=float, default=1.0)
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="stop when this text appears (repeatable)")
+    p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.add_argument("--num-samples", type=int, default=1)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.set_defaults(func=_run("generate"))
+
+
+def _add_evaluate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("evaluate", help="validation loss, perplexity and throughput of a checkpoint")
+    p.add_argument("checkpoint", help="checkpoint or run directory")
+    p.add_argument("--data", default=None, help="text file (default: the one the checkpoint was trained on)")
+    p.add_argument("--split", choices=["train", "val"], default="val")
+    p.add_argument("--batches", type=int, default=None, help="at most this many batches (default: the whole split)")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    p.set_defaults(func=_run("evaluate"))
+
+
+def _run(name: str) -> Callable[[argparse.Namespace], int]:
+    def call(args: argparse.Namespace) -> int:
+        from . import commands  # heavy imports (torch) only once a command runs
+
+        return getattr(commands, name)(args)
+
+    return call
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="tokenloom", description="The Transformer family on an ordinary machine.")
+    parser.add_argument("--version", action="version", version="tokenloom 0.1.0")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _add_train(sub)
+    _add_generate(sub)
+    _add_evaluate(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args) or 0
+    except TokenloomError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

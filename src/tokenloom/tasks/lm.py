@@ -1,0 +1,95 @@
+"""Language modelling: next-token prediction on contiguous windows of a text corpus."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..config import check, check_choice
+from ..data.tokenizers import TOKENIZERS, Tokenizer, create_tokenizer
+from ..data.text import TextDataset
+from ..errors import DataError
+from ..models.factory import create_model, model_config_from_dict
+from .losses import cross_entropy
+from .registry import TASKS
+
+
+@dataclass
+class LMDataConfig:
+    path: str = "data/tinyshakespeare/input.txt"  # a UTF-8 text file
+    tokenizer: str = "char"  # char | bpe
+    vocab_size: int | None = None  # bpe only: the size of the learned vocabulary
+    val_fraction: float = 0.1  # the last fraction of the tokens is the validation split
+
+    def __post_init__(self) -> None:
+        check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
+        check(0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
+        if self.tokenizer == "bpe":
+            check(self.vocab_size is not None and self.vocab_size >= 257,
+                  f"data.vocab_size must be set to at least 257 for a bpe tokenizer, got {self.vocab_size}")
+
+
+@TASKS.register("lm")
+class LMTask:
+    """Batches are (x, y) with y = x shifted by one; the loss is the mean token cross-entropy."""
+
+    data_config_cls = LMDataConfig
+
+    def __init__(self, dataset: TextDataset, *, batch_size: int, seq_len: int, label_smoothing: float = 0.0,
+                 eval_batches: int | None = 20) -> None:
+        self.dataset = dataset
+        self.batch_size, self.seq_len = batch_size, seq_len
+        self.label_smoothing = label_smoothing
+        self.eval_batches = eval_batches
+
+    @classmethod
+    def setup(cls, data: LMDataConfig, model_section: dict[str, Any], run_dir: Path, *, batch_size: int,
+              seq_len: int | None, label_smoothing: float, eval_batches: int | None,
+              tokenizer: Tokenizer | None = None) -> tuple[LMTask, nn.Module, Tokenizer, dict[str, Any]]:
+        """Tokenizer (trained unless given), token memmaps in ``run_dir/data``, and the model with its
+        ``vocab_size`` (and, if unset, ``max_seq_len``) taken from the data. Returns (task, model,
+        tokenizer, resolved model section)."""
+        path = Path(data.path)
+        if not path.is_file():
+            raise DataError(f"data file not found: {path}")
+        if tokenizer is None:
+            tokenizer = create_tokenizer(data.tokenizer, path.read_text(encoding="utf-8"), data.vocab_size)
+        dataset = TextDataset.prepare(path, tokenizer, Path(run_dir) / "data", val_fraction=data.val_fraction)
+        section = {**model_section, "vocab_size": tokenizer.vocab_size}
+        family, model_config = model_config_from_dict(section)
+        seq_len = seq_len or model_config.max_seq_len
+        check(seq_len <= model_config.max_seq_len,
+              f"train.seq_len={seq_len} exceeds model.max_seq_len={model_config.max_seq_len}")
+        model = create_model(family, model_config)
+        task = cls(dataset, batch_size=batch_size, seq_len=seq_len, label_smoothing=label_smoothing,
+                   eval_batches=eval_batches)
+        return task, model, tokenizer, {"family": family, **section}
+
+    def get_batch(self, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+        return self.dataset.get_batch("train", self.batch_size, self.seq_len, generator)
+
+    def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, int]:
+        """(mean loss, number of target tokens)."""
+        x, y = batch
+        logits = model(x)  # (B, T, V)
+        return cross_entropy(logits, y, label_smoothing=self.label_smoothing), y.numel()
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, max_batches: int | None = -1, split: str = "val") -> dict[str, float]:
+        """``{split}_loss`` (without label smoothing), ``{split}_ppl`` and ``tokens`` over the start of a
+        split: ``max_batches`` windows (-1: the task's ``eval_batches``; None: the whole split)."""
+        max_batches = self.eval_batches if max_batches == -1 else max_batches
+        total, count = 0.0, 0
+        for x, y in self.dataset.iter_batches(split, self.batch_size, self.seq_len, max_batches):
+            logits = model(x)
+            total += cross_entropy(logits, y).item() * y.numel()
+            count += y.numel()
+        if count == 0:
+            raise DataError(f"the {split} split has fewer than {self.seq_len + 1} tokens: nothing to evaluate")
+        loss = total / count
+        return {f"{split}_loss": loss, f"{split}_ppl": math.exp(min(loss, 50.0)), "tokens": count}

@@ -1,0 +1,90 @@
+"""The run recipe: ``task``, ``model``, ``data`` and ``train`` sections of a YAML file.
+
+Example (configs/shakespeare-char.yaml)::
+
+    task: lm
+    model: {family: gpt, num_layers: 6, num_heads: 6, embed_dim: 384, max_seq_len: 256}
+    data: {path: data/tinyshakespeare/input.txt, tokenizer: char}
+    train: {max_steps: 2000, batch_size: 16, lr: 1.0e-3, precision: bf16}
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from ..config import apply_overrides, check, check_choice, from_dict, load_yaml, to_dict
+from ..models.factory import model_config_from_dict
+from ..tasks import TASKS
+from .schedules import SCHEDULES
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 2000  # optimizer updates
+    batch_size: int = 16  # sequences per micro-batch
+    seq_len: int | None = None  # tokens per sequence; None = model.max_seq_len
+    grad_accum_steps: int = 1  # micro-batches per optimizer update
+    lr: float = 1e-3  # peak learning rate
+    min_lr: float | None = None  # final learning rate of cosine/linear decay; None = lr / 10
+    warmup_steps: int = 100  # linear warmup from 0
+    schedule: str = "cosine"  # cosine | linear | constant | inverse_sqrt
+    weight_decay: float = 0.1  # AdamW decoupled weight decay (matrices only)
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
+    grad_clip: float | None = 1.0  # max global gradient norm; None = off
+    label_smoothing: float = 0.0  # 0.1 in the original Transformer
+    precision: Literal["fp32", "bf16"] = "bf16"  # bf16 = autocast matmuls to bfloat16, fp32 master weights
+    eval_every: int = 250  # steps between validation runs (0 = only at the end)
+    eval_batches: int = 20  # validation batches per evaluation
+    checkpoint_every: int = 500  # steps between checkpoints (0 = only at the end)
+    log_every: int = 10  # steps between metric lines in metrics.jsonl
+    seed: int = 1337  # model init, data order, dropout
+    threads: int | None = None  # torch intra-op threads; None = torch's default
+    max_minutes: float | None = None  # stop (and checkpoint) after this much training time
+
+    def __post_init__(self) -> None:
+        for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_batches", "log_every"):
+            check(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("warmup_steps", "eval_every", "checkpoint_every"):
+            check(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
+        check(self.lr > 0, f"train.lr must be positive, got {self.lr}")
+        check(self.seq_len is None or self.seq_len >= 1, f"train.seq_len must be >= 1, got {self.seq_len}")
+        check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
+              f"train.betas must be two numbers in [0, 1), got {self.betas}")
+        check(0.0 <= self.label_smoothing < 1.0,
+              f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
+        check(self.grad_clip is None or self.grad_clip > 0, f"train.grad_clip must be positive, got {self.grad_clip}")
+        check_choice("train.schedule", self.schedule, SCHEDULES)
+        if self.min_lr is None:
+            self.min_lr = self.lr / 10
+        check(0 <= self.min_lr <= self.lr, f"train.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+
+
+@dataclass
+class RunConfig:
+    task: str = "lm"  # what is trained: lm
+    model: dict[str, Any] = field(default_factory=dict)  # model family and its config fields
+    data: dict[str, Any] = field(default_factory=dict)  # the task's data section
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def __post_init__(self) -> None:
+        check_choice("task", self.task, TASKS)
+        model = {"vocab_size": 1, **self.model}  # vocab_size comes from the tokenizer when unset
+        model_config_from_dict(model)  # validates the section; raises ConfigError naming the key
+        from_dict(TASKS.get(self.task).data_config_cls, self.data, prefix="data")
+
+    @property
+    def data_config(self) -> Any:
+        return from_dict(TASKS.get(self.task).data_config_cls, self.data, prefix="data")
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+
+def load_run_config(path: str | Path | dict, overrides: list[str] | None = None) -> RunConfig:
+    """A recipe file (or dict) plus ``key.sub=value`` overrides -> a validated :class:`RunConfig`."""
+    data = load_yaml(path) if not isinstance(path, dict) else dict(path)
+    apply_overrides(data, overrides)
+    check(isinstance(data.get("model", {}), dict), "model must be a mapping of model fields")
+    return from_dict(RunConfig, data)

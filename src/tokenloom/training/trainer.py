@@ -1,0 +1,200 @@
+"""One Trainer for every task.
+
+The task supplies batches, the loss and the evaluation (``tasks/``); the Trainer owns the loop:
+AdamW with decay/no-decay groups, a warmup + decay schedule, gradient accumulation and clipping,
+bf16 autocast, periodic evaluation, atomic checkpoints, exact resume, a clean stop on Ctrl-C, a
+progress bar and ``metrics.jsonl`` in the run directory.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import random
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..checkpoint import STATE_FILE, resolve_checkpoint, write_checkpoint
+from ..errors import CheckpointError
+from .config import RunConfig
+from .optim import create_optimizer
+from .schedules import create_scheduler
+
+
+def autocast(precision: str, device_type: str = "cpu") -> contextlib.AbstractContextManager:
+    """bf16 autocast for ``precision == "bf16"``, else a no-op."""
+    if precision == "bf16":
+        return torch.autocast(device_type, dtype=torch.bfloat16)
+    return contextlib.nullcontext()
+
+
+class Trainer:
+    def __init__(self, config: RunConfig, model: nn.Module, task: Any, run_dir: str | Path, *,
+                 tokenizer: Any = None, model_section: dict[str, Any] | None = None,
+                 show_progress: bool | None = None) -> None:
+        self.config, self.model, self.task = config, model, task
+        self.run_dir = Path(run_dir)
+        self.tokenizer = tokenizer
+        self.model_section = model_section or dict(config.model)
+        t = config.train
+        self.optimizer = create_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas))
+        self.scheduler = create_scheduler(self.optimizer, t.schedule, warmup_steps=t.warmup_steps,
+                                          max_steps=t.max_steps, min_ratio=t.min_lr / t.lr)
+        self.generator = torch.Generator().manual_seed(t.seed)  # the data order
+        self.step = 0
+        self.show_progress = show_progress
+        self.last_eval: dict[str, float] = {}
+        self._stop_requested = False
+
+    # -- checkpoints --------------------------------------------------------------------------
+    @property
+    def checkpoint_dir(self) -> Path:
+        return self.run_dir / "checkpoint"
+
+    def _config_dict(self) -> dict[str, Any]:
+        data = self.config.to_dict()
+        data["model"] = dict(self.model_section)
+        return data
+
+    def save(self) -> Path:
+        """Write the checkpoint (weights, config, tokenizer, trainer state) atomically."""
+
+        def save_state(tmp: Path) -> None:
+            torch.save({
+                "step": self.step,
+                "optimizer": self.optimizer.state_dict(),
+                "scheduler": self.scheduler.state_dict(),
+                "generator": self.generator.get_state(),
+                "torch_rng": torch.get_rng_state(),
+                "numpy_rng": np.random.get_state(),
+                "python_rng": random.getstate(),
+                "last_eval": self.last_eval,
+            }, tmp / STATE_FILE)
+
+        return write_checkpoint(self.checkpoint_dir, self.model, self._config_dict(), self.tokenizer,
+                                extra=save_state)
+
+    def load_state(self, checkpoint: str | Path) -> None:
+        """Restore optimizer, scheduler, RNGs and step from a checkpoint (weights are loaded by the caller)."""
+        path = resolve_checkpoint(checkpoint) / STATE_FILE
+        if not path.is_file():
+            raise CheckpointError(f"cannot resume: {path} is missing (the checkpoint holds weights only)")
+        try:
+            state = torch.load(path, weights_only=False, map_location="cpu")  # our own file: RNG tuples
+            self.optimizer.load_state_dict(state["optimizer"])
+            self.scheduler.load_state_dict(state["scheduler"])
+            self.generator.set_state(state["generator"])
+            torch.set_rng_state(state["torch_rng"])
+            np.random.set_state(state["numpy_rng"])
+            random.setstate(state["python_rng"])
+            self.step = int(state["step"])
+            self.last_eval = dict(state.get("last_eval", {}))
+        except (OSError, RuntimeError, KeyError, ValueError, EOFError) as err:
+            raise CheckpointError(f"{path} is truncated or corrupt ({str(err).splitlines()[0]})") from None
+
+    # -- the loop -----------------------------------------------------------------------------
+    def _log(self, record: dict[str, Any]) -> None:
+        with open(self.run_dir / "metrics.jsonl", "a") as fh:
+            fh.write(json.dumps(record) + "\n")
+
+    def evaluate(self) -> dict[str, float]:
+        was_training = self.model.training
+        self.model.eval()
+        with autocast(self.config.train.precision):
+            metrics = self.task.evaluate(self.model)
+        metrics.pop("tokens", None)
+        self.model.train(was_training)
+        self.last_eval = metrics
+        self._log({"step": self.step, **metrics})
+        return metrics
+
+    @contextlib.contextmanager
+    def _graceful_interrupt(self) -> Iterator[None]:
+        """First Ctrl-C: finish the current step, checkpoint, stop. A second one stops at once (the
+        last checkpoint on disk stays intact: checkpoints are swapped in atomically)."""
+
+        def handler(signum: int, frame: Any) -> None:
+            if self._stop_requested:
+                raise KeyboardInterrupt
+            self._stop_requested = True
+
+        try:
+            previous = signal.signal(signal.SIGINT, handler)
+        except ValueError:  # not the main thread
+            yield
+            return
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, previous)
+
+    def train_step(self) -> tuple[float, int]:
+        """One optimizer update over ``grad_accum_steps`` micro-batches: (mean loss, tokens)."""
+        t = self.config.train
+        total_loss, tokens = 0.0, 0
+        for _ in range(t.grad_accum_steps):
+            batch = self.task.get_batch(self.generator)
+            with autocast(t.precision):
+                loss, n = self.task.loss(self.model, batch)
+            (loss / t.grad_accum_steps).backward()
+            total_loss += loss.item() / t.grad_accum_steps
+            tokens += n
+        if t.grad_clip is not None:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+        self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return total_loss, tokens
+
+    def fit(self) -> dict[str, Any]:
+        """Train until ``max_steps`` (or ``max_minutes``, or Ctrl-C); returns the final metrics."""
+        t = self.config.train
+        if t.threads:
+            torch.set_num_threads(t.threads)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.model.train()
+        start_step, start_time = self.step, time.perf_counter()
+        bar = tqdm(total=t.max_steps, initial=self.step, disable=self.show_progress is False or None,
+                   dynamic_ncols=True, desc="train")
+        window_tokens, window_start, loss = 0, time.perf_counter(), float("nan")
+        stopped_by = "max_steps"
+        with self._graceful_interrupt():
+            while self.step < t.max_steps:
+                loss, tokens = self.train_step()
+                window_tokens += tokens
+                bar.update(1)
+                if self.step % t.log_every == 0 or self.step == t.max_steps:
+                    elapsed = time.perf_counter() - window_start
+                    tps = window_tokens / max(elapsed, 1e-9)
+                    lr = self.scheduler.get_last_lr()[0]
+                    self._log({"step": self.step, "loss": round(loss, 5), "lr": lr, "tokens_per_s": round(tps, 1),
+                               "elapsed_s": round(time.perf_counter() - start_time, 2)})
+                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
+                    window_tokens, window_start = 0, time.perf_counter()
+                if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
+                    metrics = self.evaluate()
+                    bar.write(f"step {self.step}: val_loss {metrics['val_loss']:.4f}")
+                if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.max_steps:
+                    self.save()
+                if self._stop_requested:
+                    stopped_by = "interrupt"
+                    break
+                if t.max_minutes is not None and time.perf_counter() - start_time > 60 * t.max_minutes:
+                    stopped_by = "max_minutes"
+                    break
+            bar.close()
+            metrics = self.evaluate() if stopped_by != "interrupt" else dict(self.last_eval)
+            self.save()
+        elapsed = time.perf_counter() - start_time
+        summary = {"step": self.step, "train_loss": loss, **metrics, "stopped_by": stopped_by,
+                   "steps_this_run": self.step - start_step, "seconds": round(elapsed, 1)}
+        return summary

@@ -1,0 +1,86 @@
+import pytest
+import torch
+
+from tokenloom import GPT, GPTConfig
+from tokenloom.errors import ConfigError, GenerationError
+from tokenloom.models import GPT_PRESETS
+
+POSITIONS = ["learned", "sinusoidal", "rope", "alibi", "t5", "none"]
+
+
+def small(**kw):
+    base = dict(vocab_size=40, num_layers=2, num_heads=4, embed_dim=32, max_seq_len=32)
+    return GPT(GPTConfig(**{**base, **kw})).eval()
+
+
+@pytest.mark.parametrize("position", POSITIONS)
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_causality(position, placement):
+    model = small(position=position, norm_placement=placement)
+    x = torch.randint(0, 40, (2, 12))
+    y = x.clone()
+    y[:, 7:] = torch.randint(0, 40, (2, 5))
+    a, b = model(x), model(y)
+    assert torch.allclose(a[:, :7], b[:, :7], atol=1e-5)
+    assert not torch.allclose(a[:, 7:], b[:, 7:], atol=1e-3)
+
+
+@pytest.mark.parametrize("kw", [dict(mlp="swiglu", norm="rmsnorm", bias=False), dict(num_kv_heads=1),
+                                dict(mlp="relu", tie_embeddings=False), dict(gradient_checkpointing=True)])
+def test_variants_run_and_backprop(kw):
+    model = small(**kw).train()
+    x = torch.randint(0, 40, (2, 10))
+    logits = model(x)
+    assert logits.shape == (2, 10, 40)
+    logits.sum().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+def test_gradient_checkpointing_same_gradients():
+    torch.manual_seed(1)
+    a = small()
+    b = small(gradient_checkpointing=True)
+    b.load_state_dict(a.state_dict())
+    x = torch.randint(0, 40, (2, 10))
+    a.train()(x).square().mean().backward()
+    b.train()(x).square().mean().backward()
+    for (n, pa), pb in zip(a.named_parameters(), b.parameters(), strict=True):
+        assert torch.allclose(pa.grad, pb.grad, atol=1e-6), n
+
+
+def test_tied_embeddings():
+    model = small()
+    assert model.lm_head.weight is model.tok_embed.weight
+
+
+@pytest.mark.parametrize("name", list(GPT_PRESETS))
+def test_presets_build(name):
+    config = GPTConfig.from_name(name)
+    assert config.head_dim * config.num_heads == config.embed_dim
+    if name == "gpt2":
+        n = sum(p.numel() for p in GPT(config).parameters())
+        assert n == 124_439_808  # GPT-2 small, tied embeddings
+
+
+def test_unknown_preset():
+    with pytest.raises(ConfigError, match="did you mean 'gpt2'"):
+        GPTConfig.from_name("gtp2")
+
+
+def test_context_overflow_is_a_clear_error():
+    model = small()
+    with pytest.raises(GenerationError, match="exceeds the model's context of 32"):
+        model(torch.zeros(1, 33, dtype=torch.long))
+
+
+def test_overfits_one_batch():
+    torch.manual_seed(0)
+    model = small(position="rope").train()
+    x = torch.randint(0, 40, (4, 16))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    for _ in range(150):
+        loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).reshape(-1, 40), x[:, 1:].reshape(-1))
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    assert loss.item() < 0.05

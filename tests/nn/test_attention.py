@@ -1,0 +1,60 @@
+import pytest
+import torch
+from torch.nn import functional as F
+
+from tokenloom.nn import ATTENTION_BACKENDS, MultiHeadAttention
+
+
+def reference(q, k, v, mask):
+    scores = q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return scores.softmax(-1) @ v
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "math"])
+def test_backends_match_explicit_softmax(backend):
+    q, k, v = torch.randn(2, 4, 5, 8), torch.randn(2, 4, 7, 8), torch.randn(2, 4, 7, 8)
+    mask = torch.rand(2, 1, 5, 7) > 0.3
+    mask[..., 0] = True
+    out, _ = ATTENTION_BACKENDS.get(backend)(q, k, v, mask, False, 0.0, False)
+    assert torch.allclose(out, reference(q, k, v, mask), atol=1e-5)
+
+
+def test_math_returns_probabilities_and_causal():
+    q = k = v = torch.randn(1, 2, 4, 8)
+    out, probs = ATTENTION_BACKENDS.get("math")(q, k, v, None, True, 0.0, True)
+    assert probs.shape == (1, 2, 4, 4)
+    assert torch.allclose(probs.sum(-1), torch.ones(1, 2, 4))
+    assert (probs.triu(1) == 0).all()
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(out, ref, atol=1e-5)
+
+
+def test_grouped_query_matches_repeated_heads():
+    attn = MultiHeadAttention(32, num_heads=4, num_kv_heads=2, backend="math")
+    x = torch.randn(2, 6, 32)
+    out_math, _ = attn(x, is_causal=True)
+    attn.backend = ATTENTION_BACKENDS.get("sdpa")
+    out_sdpa, _ = attn(x, is_causal=True)
+    assert torch.allclose(out_math, out_sdpa, atol=1e-5)
+
+
+def test_cross_attention_shapes_and_memory_mask():
+    attn = MultiHeadAttention(16, num_heads=2, cross=True)
+    x, memory = torch.randn(2, 3, 16), torch.randn(2, 5, 16)
+    out, _ = attn(x, memory=memory)
+    assert out.shape == (2, 3, 16)
+    mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
+    mask[:, :, :, 3:] = False
+    masked, _ = attn(x, memory=memory, attn_mask=mask)
+    memory2 = memory.clone()
+    memory2[:, 3:] = 100.0  # changes to masked memory positions change nothing
+    masked2, _ = attn(x, memory=memory2, attn_mask=mask)
+    assert torch.allclose(masked, masked2, atol=1e-6)
+
+
+def test_bad_head_counts():
+    with pytest.raises(ValueError, match="divisible by num_heads=3"):
+        MultiHeadAttention(16, num_heads=3)
+    with pytest.raises(ValueError, match="num_kv_heads=3"):
+        MultiHeadAttention(16, num_heads=4, num_kv_heads=3)
