@@ -222,6 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     info = dict(torch=torch.__version__, threads=args.threads, date=time.strftime("%Y-%m-%d"),
                 machine=platform.processor() or platform.machine())
     print(f"torch {torch.__version__}, {args.threads} threads, {info['machine']}")
+    load_before = os.getloadavg()[0]
     if args.loss_curve:
         results: dict = dict(info, loss_curve=loss_curve(args.loss_curve, args.data, args.seed))
     else:
@@ -235,6 +236,10 @@ def main(argv: list[str] | None = None) -> None:
         print()
         print_table(rows)
         results = dict(info, train=rows)
+    load = (load_before, os.getloadavg()[0])
+    results["load_average"] = load
+    print(f"1-min load average before/after: {load[0]:.2f} / {load[1]:.2f} "
+          f"(well above {args.threads}: other processes competed for the CPU)")
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 

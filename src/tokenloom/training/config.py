@@ -10,6 +10,7 @@ Example (configs/shakespeare-char.yaml)::
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -42,12 +43,15 @@ class TrainConfig:
     seed: int = 1337  # model init, data order, dropout
     threads: int | None = None  # torch intra-op threads; None = torch's default
     max_minutes: float | None = None  # stop (and checkpoint) after this much training time
+    stop_after_steps: int | None = None  # end this run after N steps; resume later (the schedule spans max_steps)
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_batches", "log_every"):
             check(getattr(self, name) >= 1, f"train.{name} must be >= 1, got {getattr(self, name)}")
         for name in ("warmup_steps", "eval_every", "checkpoint_every"):
             check(getattr(self, name) >= 0, f"train.{name} must be >= 0, got {getattr(self, name)}")
+        check(self.stop_after_steps is None or self.stop_after_steps >= 1,
+              f"train.stop_after_steps must be >= 1, got {self.stop_after_steps}")
         check(self.lr > 0, f"train.lr must be positive, got {self.lr}")
         check(self.seq_len is None or self.seq_len >= 1, f"train.seq_len must be >= 1, got {self.seq_len}")
         check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
@@ -84,7 +88,7 @@ class RunConfig:
 
 def load_run_config(path: str | Path | dict, overrides: list[str] | None = None) -> RunConfig:
     """A recipe file (or dict) plus ``key.sub=value`` overrides -> a validated :class:`RunConfig`."""
-    data = load_yaml(path) if not isinstance(path, dict) else dict(path)
+    data = load_yaml(path) if not isinstance(path, dict) else copy.deepcopy(path)
     apply_overrides(data, overrides)
     check(isinstance(data.get("model", {}), dict), "model must be a mapping of model fields")
     return from_dict(RunConfig, data)

@@ -188,6 +188,9 @@ class Trainer:
                 if self._stop_requested:
                     stopped_by = "interrupt"
                     break
+                if t.stop_after_steps is not None and self.step - start_step >= t.stop_after_steps:
+                    stopped_by = "stop_after_steps"
+                    break
                 if t.max_minutes is not None and time.perf_counter() - start_time > 60 * t.max_minutes:
                     stopped_by = "max_minutes"
                     break

@@ -1,0 +1,113 @@
+import os
+import signal
+
+import pytest
+import torch
+
+from tokenloom.checkpoint import load_model, write_checkpoint
+from tokenloom.errors import CheckpointError, DataError
+from tokenloom.training import load_run_config, setup_run
+
+TEXT = ("First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 40)
+
+
+def recipe(tmp_path, **train):
+    path = tmp_path / "corpus.txt"
+    path.write_text(TEXT)
+    return {
+        "model": {"num_layers": 2, "num_heads": 2, "embed_dim": 32, "max_seq_len": 32, "dropout": 0.1},
+        "data": {"path": str(path)},
+        "train": {"max_steps": 8, "batch_size": 4, "seq_len": 16, "lr": 3e-3, "warmup_steps": 2,
+                  "eval_every": 4, "eval_batches": 2, "checkpoint_every": 4, "log_every": 2,
+                  "precision": "fp32", **train},
+    }
+
+
+def run(config_dict, run_dir, resume=False, overrides=()):
+    trainer = setup_run(load_run_config(config_dict, list(overrides)), run_dir, resume=resume, show_progress=False)
+    summary = trainer.fit()
+    return trainer, summary
+
+
+def params(model):
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_resume_is_exact(tmp_path, precision):
+    cfg = recipe(tmp_path, precision=precision, grad_accum_steps=2)
+    full, _ = run(cfg, tmp_path / "full")
+    _, first = run(cfg, tmp_path / "split", overrides=["train.stop_after_steps=4"])
+    assert first["step"] == 4 and first["stopped_by"] == "stop_after_steps"
+    resumed, _ = run(cfg, tmp_path / "split", resume=True)
+    assert resumed.step == 8
+    a, b = params(full.model), params(resumed.model)
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+    assert full.last_eval == resumed.last_eval
+
+
+def test_loss_goes_down_and_metrics_logged(tmp_path):
+    trainer, summary = run(recipe(tmp_path, max_steps=30), tmp_path / "r", overrides=["model.dropout=0.0"])
+    lines = (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) >= 15
+    first = next(float(line.split('"loss": ')[1].split(",")[0]) for line in lines if '"loss"' in line)
+    assert summary["train_loss"] < first - 0.5
+    assert summary["val_loss"] < 3.0
+
+
+def test_ctrl_c_checkpoints_and_resumes_exactly(tmp_path):
+    cfg = recipe(tmp_path, checkpoint_every=0)
+    full, _ = run(cfg, tmp_path / "full")
+    trainer = setup_run(load_run_config(cfg), tmp_path / "int", show_progress=False)
+    real = trainer.task.get_batch
+    calls = {"n": 0}
+
+    def get_batch(generator):
+        calls["n"] += 1
+        if calls["n"] == 3:  # Ctrl-C during step 3: the step finishes, a checkpoint is written
+            os.kill(os.getpid(), signal.SIGINT)
+        return real(generator)
+
+    trainer.task.get_batch = get_batch
+    summary = trainer.fit()
+    assert summary["stopped_by"] == "interrupt" and summary["step"] == 3
+    resumed, _ = run(cfg, tmp_path / "int", resume=True)
+    for k, v in params(full.model).items():
+        assert torch.equal(v, resumed.model.state_dict()[k]), k
+
+
+def test_crash_while_writing_keeps_previous_checkpoint(tmp_path):
+    trainer, _ = run(recipe(tmp_path, max_steps=2), tmp_path / "r")
+    ckpt = tmp_path / "r" / "checkpoint"
+    before = (ckpt / "model.safetensors").read_bytes()
+
+    def boom(tmp):
+        raise RuntimeError("disk full")
+
+    with pytest.raises(RuntimeError):
+        write_checkpoint(ckpt, trainer.model, {"model": {}}, extra=boom)
+    assert (ckpt / "model.safetensors").read_bytes() == before
+    model, _ = load_model(tmp_path / "r")
+    assert model.config.num_layers == 2
+
+
+def test_truncated_and_missing_checkpoints(tmp_path):
+    run(recipe(tmp_path, max_steps=2), tmp_path / "r")
+    with pytest.raises(CheckpointError, match="checkpoint not found"):
+        load_model(tmp_path / "nope")
+    weights = tmp_path / "r" / "checkpoint" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(CheckpointError, match="truncated or corrupt"):
+        load_model(tmp_path / "r")
+    state = tmp_path / "r" / "checkpoint" / "trainer_state.pt"
+    state.write_bytes(b"garbage")
+    with pytest.raises(CheckpointError):
+        run(recipe(tmp_path), tmp_path / "r", resume=True)
+
+
+def test_missing_data_file(tmp_path):
+    cfg = recipe(tmp_path)
+    cfg["data"]["path"] = str(tmp_path / "missing.txt")
+    with pytest.raises(DataError, match="data file not found"):
+        run(cfg, tmp_path / "r")
