@@ -2,8 +2,9 @@
 
 The HF model is built from the tokenloom one with ``tokenloom.interop.to_hf_gpt2`` (HF's default
 attention, sdpa), so both compute the same function and the generated tokens should agree.
-Reported per (shape, batch size): ms per generated token (wall time / new tokens, prefill of the
-16-token prompt included), the ratio HF / tokenloom (> 1: tokenloom faster) and the fraction of
+Each run is timed after one untimed run of the same length (the first pass over every sequence length
+is slower). Reported per (shape, batch size): ms per generated token (wall time / new tokens, prefill
+of the 16-token prompt included), the ratio HF / tokenloom (> 1: tokenloom faster) and the fraction of
 generated tokens that agree. For the gpt2 shape at batch 1 it also prints the memory-bandwidth
 bound: every weight must be read once per step, so a step takes at least weight bytes / bandwidth,
 with the bandwidth measured in the same run (best of 5 ``x.sum()`` over a 1 GiB fp32 tensor).
@@ -128,7 +129,7 @@ def bench_batch(model: GPT, hf: torch.nn.Module, shape: str, batch: int, gen_fn:
     gen = torch.Generator().manual_seed(batch)
     ids = torch.randint(0, model.config.vocab_size, (batch, PROMPT_LEN), generator=gen)
     with torch.no_grad():
-        gen_fn(model, ids, 4), hf_generate(hf, ids, 4)  # warm-up
+        gen_fn(model, ids, n), hf_generate(hf, ids, n)  # warm-up: every shape once (oneDNN caches kernels)
         t_ours, ours = timed(lambda: gen_fn(model, ids, n), args.repeats)
         t_hf, theirs = timed(lambda: hf_generate(hf, ids, n), args.repeats)
     assert ours.shape == theirs.shape == (batch, PROMPT_LEN + n), (ours.shape, theirs.shape)
@@ -147,7 +148,7 @@ def bench_bf16(model: GPT, variant: GPT, use_autocast: bool, fp32_output: Tensor
     ids = fp32_output[:, :PROMPT_LEN]
     ctx = torch.autocast("cpu", dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
     with torch.no_grad(), ctx:
-        gen_fn(variant, ids, 4)  # warm-up
+        gen_fn(variant, ids, n)  # warm-up
         seconds, _ = timed(lambda: gen_fn(variant, ids, n), args.repeats)
     ms = 1000 * seconds / n
     return dict(ms_per_token=ms, speedup_vs_fp32=fp32_ms / ms,

@@ -113,7 +113,7 @@ class TextDataset:
         if stat.st_size == 0:
             raise DataError(f"data file is empty: {text_path}")
         source = {"path": str(text_path.resolve()), "size": stat.st_size, "mtime_ns": stat.st_mtime_ns}
-        wanted = {"format": FORMAT_VERSION,
+        wanted = {"format": FORMAT_VERSION, "val_fraction": val_fraction,
                   "tokenizer": {"kind": tokenizer.kind, "vocab_size": tokenizer.vocab_size,
                                 "fingerprint": tokenizer.fingerprint}}
 

@@ -159,6 +159,7 @@ class Tokenizer:
         path = Path(path)
         if path.is_dir():
             path = path / "tokenizer.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
         try:
             self.backend.save(str(tmp))

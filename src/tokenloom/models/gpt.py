@@ -7,6 +7,11 @@ The model follows the small protocol that decoding uses (DESIGN.md)::
 
     logits = model(input_ids, positions=None, attention_mask=None, cache=None)   # (B, T, V)
     cache = model.create_cache(batch_size, max_len)
+
+A one-token step with a cache in eval mode (the decode loop) runs each block's ``inference_step``: the
+same computation as the modules' ``forward`` without ``nn.Module`` call overhead, which dominates at
+one token on a CPU. The step functions are built once per cache and kept on ``cache.plan``; forward
+hooks on any submodule switch this off (the modules are then called as usual).
 """
 
 from __future__ import annotations
@@ -21,7 +26,9 @@ from torch.utils.checkpoint import checkpoint
 from ..config import check, check_choice
 from ..errors import ConfigError, GenerationError
 from ..nn import ATTENTION_BACKENDS, BLOCKS, MLPS, NORMS, POSITIONS, KVCache, create_block, create_norm
+from ..nn.block import inference_function
 from ..nn.masks import causal_mask, padding_mask, positions_from_mask
+from ..nn.positions import Position
 from ..registry import did_you_mean
 from .registry import MODELS
 
@@ -116,6 +123,7 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * c.num_layers))
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_embed.weight
+        self._position_bias = type(self.position).bias is not Position.bias  # alibi, t5: a score bias
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -144,8 +152,10 @@ class GPT(nn.Module):
                           dtype: torch.dtype) -> tuple[Tensor | None, bool]:
         """The mask every layer uses, built once per forward: (attn_mask, is_causal)."""
         S = past + T
-        index = torch.arange(S, device=device)
-        bias = self.position.bias(index[past:], index)  # (1, H, T, S) or None
+        bias = None
+        if self._position_bias:
+            index = torch.arange(S, device=device)
+            bias = self.position.bias(index[past:], index)  # (1, H, T, S) or None
         if bias is None and attention_mask is None:
             if T == 1:
                 return None, False
@@ -188,11 +198,20 @@ class GPT(nn.Module):
         added = self.position.embed(positions)
         if added is not None:
             x = x + added
-        x = self.embed_dropout(x)
+        if self.training:
+            x = self.embed_dropout(x)
         rope = self.position.rotary(positions)
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") and device.type == "cpu" \
             else x.dtype
         attn_mask, is_causal = self._attention_inputs(T, past, attention_mask, device, dtype)
+        if T == 1 and cache is not None and not need_weights and not self.training:
+            plan = cache.plan if cache.plan is not None else self._decode_plan(cache)
+            if plan:
+                steps, final_norm = plan
+                for step in steps:
+                    x = step(x, past, attn_mask, rope)
+                cache.advance(1)
+                return final_norm(x), [None] * len(steps)
         weights = []
         for i, block in enumerate(self.blocks):
             kwargs = dict(attn_mask=attn_mask, is_causal=is_causal, rope=rope,
@@ -206,6 +225,17 @@ class GPT(nn.Module):
         if cache is not None:
             cache.advance(T)
         return self.final_norm(x), weights
+
+    def _decode_plan(self, cache: KVCache) -> tuple[list, object] | bool:
+        """Build (per-block step functions bound to ``cache``, final norm function) and keep it on
+        ``cache.plan``; False (use the modules) when a submodule has forward hooks or a block has no
+        ``inference_step``."""
+        hooks = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
+        hooked = any(hooks) or any(m._forward_hooks or m._forward_pre_hooks for m in self.modules() if m is not self)
+        steps = [] if hooked else [getattr(b, "inference_step", lambda kv: None)(cache.layer_kv(i))
+                                   for i, b in enumerate(self.blocks)]
+        cache.plan = False if hooked or None in steps else (steps, inference_function(self.final_norm))
+        return cache.plan
 
     def forward_head(self, hidden: Tensor) -> Tensor:
         """(B, T, C) -> (B, T, V) logits."""

@@ -119,3 +119,37 @@ class MultiHeadAttention(nn.Module):
         out, weights = self.backend(q, k, v, attn_mask, is_causal, dropout, need_weights)
         out = out.transpose(1, 2).reshape(B, T, C)  # (B, T, H*D)
         return self.out_proj(out), weights
+
+    def inference_step(self, kv: Tensor) -> Callable[[Tensor, int, Tensor | None, tuple[Tensor, Tensor] | None],
+                                                     Tensor]:
+        """A plain function for one eval-mode decode step of self-attention over the cache ``kv``
+        (2, B, Hkv, max_len, D), the same computation as ``forward`` with T = 1, without module overhead::
+
+            step(x (B, 1, C), pos, attn_mask (B|1, H|1, 1, pos + 1) | None, rope) -> (B, 1, C)
+
+        writes the new key and value at ``pos`` and attends over positions ``[0, pos]``.
+        """
+        if self.cross:
+            raise ValueError("inference_step is for self-attention")
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        w_in, b_in = self.qkv_proj.weight, self.qkv_proj.bias
+        w_out, b_out = self.out_proj.weight, self.out_proj.bias
+        backend = self.backend
+        k_buf, v_buf = kv[0], kv[1]  # (B, Hkv, max_len, D) each
+
+        def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+            B = x.shape[0]
+            end = pos + 1
+            qkv = F.linear(x, w_in, b_in).view(B, H + 2 * Hkv, 1, D)  # (B, H + 2Hkv, T=1, D): no transpose
+            if rope is None:
+                q = qkv[:, :H]
+                kv[:, :, :, pos:end] = qkv[:, H:].view(B, 2, Hkv, 1, D).transpose(0, 1)  # (2, B, Hkv, 1, D)
+            else:
+                qk = apply_rotary(qkv[:, :H + Hkv], *rope)  # q and k rotated together: (B, H + Hkv, 1, D)
+                q = qk[:, :H]
+                k_buf[:, :, pos:end] = qk[:, H:]
+                v_buf[:, :, pos:end] = qkv[:, H + Hkv:]
+            out, _ = backend(q, k_buf[:, :, :end], v_buf[:, :, :end], attn_mask, False, 0.0, False)
+            return F.linear(out.reshape(B, 1, H * D), w_out, b_out)  # (B, H, 1, D) -> (B, 1, C)
+
+        return step

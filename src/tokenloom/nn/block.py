@@ -5,9 +5,14 @@
 
 A decoder block of an encoder-decoder model adds a cross-attention sublayer between the two.
 Shapes: x (B, T, C); memory (B, S, C).
+
+``inference_step(kv)`` returns a plain function for one eval-mode decode step (T = 1) of a self-attention
+block over its cache ``kv``, computed without ``nn.Module`` call overhead (None for cross-attention blocks).
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 from torch import Tensor, nn
 
@@ -17,6 +22,17 @@ from .mlp import create_mlp
 from .norms import create_norm
 
 BLOCKS: Registry[type[nn.Module]] = Registry("norm placement")
+
+
+Rope = tuple[Tensor, Tensor] | None
+StepFunction = Callable[[Tensor, int, Tensor | None, Rope], Tensor]
+
+
+def inference_function(module: nn.Module) -> Callable[[Tensor], Tensor]:
+    """``module.inference_function()`` where the module offers one (a plain eval-mode function), else the
+    module itself."""
+    make = getattr(module, "inference_function", None)
+    return make() if make is not None else module
 
 
 class _Block(nn.Module):
@@ -49,6 +65,18 @@ class PreNormBlock(_Block):
             x = x + self.resid_dropout(h)
         return x + self.mlp(self.norm2(x)), weights
 
+    def inference_step(self, kv: Tensor) -> StepFunction | None:
+        if self.cross_attn is not None:
+            return None
+        attn = self.attn.inference_step(kv)
+        norm1, norm2, mlp = inference_function(self.norm1), inference_function(self.norm2), inference_function(self.mlp)
+
+        def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: Rope) -> Tensor:
+            x = x + attn(norm1(x), pos, attn_mask, rope)
+            return x + mlp(norm2(x))
+
+        return step
+
 
 @BLOCKS.register("post")
 class PostNormBlock(_Block):
@@ -60,6 +88,18 @@ class PostNormBlock(_Block):
             h, _ = self.cross_attn(x, memory=memory, attn_mask=memory_mask)
             x = self.norm_cross(x + self.resid_dropout(h))
         return self.norm2(x + self.mlp(x)), weights
+
+    def inference_step(self, kv: Tensor) -> StepFunction | None:
+        if self.cross_attn is not None:
+            return None
+        attn = self.attn.inference_step(kv)
+        norm1, norm2, mlp = inference_function(self.norm1), inference_function(self.norm2), inference_function(self.mlp)
+
+        def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: Rope) -> Tensor:
+            x = norm1(x + attn(x, pos, attn_mask, rope))
+            return norm2(x + mlp(x))
+
+        return step
 
 
 def create_block(norm_placement: str, *args, **kwargs) -> nn.Module:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import Tensor
 
@@ -9,9 +11,12 @@ from torch import Tensor
 class KVCache:
     """Keys and values of every layer, preallocated to ``max_len`` positions.
 
-    ``k`` and ``v`` are (L, B, Hkv, max_len, D); ``length`` counts the positions already written.
-    A model's forward writes its new positions through :meth:`layer` views and then calls
-    :meth:`advance`. Example::
+    ``kv`` is (L, 2, B, Hkv, max_len, D); ``k`` and ``v`` are its (L, B, Hkv, max_len, D) halves (views),
+    kept in one tensor so a decode step can write a layer's new key and value with one copy.
+    ``length`` counts the positions already written. A model's forward writes its new positions
+    through :meth:`layer` views and then calls :meth:`advance`. ``plan`` holds whatever per-generation
+    state the model attaches (GPT keeps its fast decode-step functions there); :meth:`reset` drops it.
+    Example::
 
         cache = model.create_cache(batch_size=1, max_len=128)
         logits = model(prompt_ids, cache=cache)          # prefill: cache.length == T
@@ -20,27 +25,33 @@ class KVCache:
 
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
-        shape = (num_layers, batch_size, num_kv_heads, max_len, head_dim)
-        self.k = torch.zeros(shape, dtype=dtype, device=device)
-        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.kv = torch.zeros((num_layers, 2, batch_size, num_kv_heads, max_len, head_dim), dtype=dtype,
+                              device=device)
+        self.k, self.v = self.kv[:, 0], self.kv[:, 1]  # (L, B, Hkv, max_len, D) each
         self.max_len = max_len
         self.length = 0
+        self.plan: Any = None
         self._layers = [(self.k[i], self.v[i]) for i in range(num_layers)]
 
     @property
     def batch_size(self) -> int:
-        return self.k.shape[1]
+        return self.kv.shape[2]
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        """Layer ``i``'s (k, v) buffers, each (B, Hkv, max_len, D)."""
         return self._layers[i]
+
+    def layer_kv(self, i: int) -> Tensor:
+        """Layer ``i``'s keys and values as one (2, B, Hkv, max_len, D) view."""
+        return self.kv[i]
 
     def advance(self, n: int) -> None:
         self.length += n
 
     def reset(self) -> None:
         self.length = 0
+        self.plan = None
 
     def reorder(self, index: Tensor) -> None:
         """Keep batch rows ``index`` (beam search): k/v rows are gathered in place."""
-        self.k.copy_(self.k.index_select(1, index))
-        self.v.copy_(self.v.index_select(1, index))
+        self.kv.copy_(self.kv.index_select(2, index))

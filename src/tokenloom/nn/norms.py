@@ -1,9 +1,17 @@
-"""Normalisation layers, by name: ``layernorm`` and ``rmsnorm``."""
+"""Normalisation layers, by name: ``layernorm`` and ``rmsnorm``.
+
+Each layer's ``inference_function()`` returns a plain function computing the same as ``forward``
+without the ``nn.Module`` call overhead (used by decode loops; it captures the current parameters).
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
+
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from ..registry import Registry
 
@@ -17,6 +25,10 @@ class LayerNorm(nn.LayerNorm):
     def __init__(self, dim: int, eps: float = 1e-5, bias: bool = True) -> None:
         super().__init__(dim, eps=eps, bias=bias)
 
+    def inference_function(self) -> Callable[[Tensor], Tensor]:
+        return partial(F.layer_norm, normalized_shape=self.normalized_shape, weight=self.weight, bias=self.bias,
+                       eps=self.eps)
+
 
 @NORMS.register("rmsnorm")
 class RMSNorm(nn.Module):
@@ -29,6 +41,9 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+
+    def inference_function(self) -> Callable[[Tensor], Tensor]:
+        return partial(F.rms_norm, normalized_shape=(self.weight.shape[0],), weight=self.weight, eps=self.eps)
 
 
 def create_norm(name: str, dim: int, bias: bool = True, eps: float | None = None) -> nn.Module:

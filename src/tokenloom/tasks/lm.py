@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from ..config import check, check_choice
 from ..data.tokenizers import TOKENIZERS, Tokenizer, create_tokenizer
-from ..data.text import TextDataset
+from ..data.text import TextDataset, read_text
 from ..errors import DataError
 from ..models.factory import create_model, model_config_from_dict
 from .losses import cross_entropy
@@ -55,10 +55,8 @@ class LMTask:
         ``vocab_size`` (and, if unset, ``max_seq_len``) taken from the data. Returns (task, model,
         tokenizer, resolved model section)."""
         path = Path(data.path)
-        if not path.is_file():
-            raise DataError(f"data file not found: {path}")
         if tokenizer is None:
-            tokenizer = create_tokenizer(data.tokenizer, path.read_text(encoding="utf-8"), data.vocab_size)
+            tokenizer = create_tokenizer(data.tokenizer, read_text(path), data.vocab_size)
         dataset = TextDataset.prepare(path, tokenizer, Path(run_dir) / "data", val_fraction=data.val_fraction)
         section = {**model_section, "vocab_size": tokenizer.vocab_size}
         family, model_config = model_config_from_dict(section)
