@@ -11,8 +11,8 @@ import torch
 from torch import Tensor, nn
 
 from ..config import check, check_choice
-from ..data.tokenizers import TOKENIZERS, Tokenizer, create_tokenizer
 from ..data.text import TextDataset, read_text
+from ..data.tokenizers import TOKENIZERS, Tokenizer, create_tokenizer
 from ..errors import DataError
 from ..models.factory import create_model, model_config_from_dict
 from .losses import cross_entropy
