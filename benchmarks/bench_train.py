@@ -99,18 +99,18 @@ def bench_shape(shape: str, warmup: int, timed: int, repeats: int, seed: int) ->
     base = GPT(model_config(shape))
     batches = random_batches(warmup + timed, s["batch_size"], s["max_seq_len"], seed)
     tokens = timed * s["batch_size"] * s["max_seq_len"]
-    rows = []
-    for label, is_hf, bf16 in VARIANTS:
-        times, loss = [], float("nan")
-        for _ in range(repeats):
+    times: dict[str, list[float]] = {label: [] for label, _, _ in VARIANTS}
+    losses: dict[str, float] = {}
+    for _ in range(repeats):  # variants take turns, so a burst of load from elsewhere hits them alike
+        for label, is_hf, bf16 in VARIANTS:
             model = to_hf_gpt2(copy.deepcopy(base)) if is_hf else copy.deepcopy(base)
-            seconds, loss = train_steps(model, is_hf, bf16, batches, warmup)
-            times.append(seconds)
+            seconds, losses[label] = train_steps(model, is_hf, bf16, batches, warmup)
+            times[label].append(seconds)
             del model
-        rows.append(dict(shape=shape, variant=label, tokens_per_s=tokens / min(times), seconds=min(times),
-                         timed_steps=timed, warmup_steps=warmup, batch_size=s["batch_size"],
-                         seq_len=s["max_seq_len"], last_loss=loss))
-        print(f"  {shape:<7} {label:<15} {tokens / min(times):>10.0f} tok/s", file=sys.stderr, flush=True)
+            print(f"  {shape:<7} {label:<15} {tokens / seconds:>10.0f} tok/s", file=sys.stderr, flush=True)
+    rows = [dict(shape=shape, variant=label, tokens_per_s=tokens / min(times[label]), seconds=min(times[label]),
+                 timed_steps=timed, warmup_steps=warmup, batch_size=s["batch_size"], seq_len=s["max_seq_len"],
+                 last_loss=losses[label]) for label, _, _ in VARIANTS]
     ref = next(r["tokens_per_s"] for r in rows if r["variant"] == "HF fp32")
     for r in rows:
         r["vs_hf_fp32"] = r["tokens_per_s"] / ref
@@ -209,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timed-steps", type=int, default=None,
                         help="timed steps per variant (default: 20 for small, 10 for medium)")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="time each variant this many times, keep the best")
+                        help="time each variant this many times (taking turns), keep the best")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="torch.set_num_threads (default: all cores)")
     parser.add_argument("--seed", type=int, default=0)

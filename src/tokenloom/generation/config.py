@@ -1,0 +1,60 @@
+"""Decoding settings: :class:`GenerationConfig`."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from ..config import check
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass
+class GenerationConfig:
+    """How to continue a prompt. Greedy when ``do_sample`` is False or ``temperature`` is 0."""
+
+    max_new_tokens: int = 100  # tokens to generate at most (fewer when every row stops early)
+    do_sample: bool = True  # sample from the processed distribution; False = greedy (argmax)
+    temperature: float = 1.0  # divide the logits by this before sampling; 0 means greedy
+    top_k: int | None = None  # sample only among the k most likely tokens; None = no limit
+    top_p: float | None = None  # nucleus: the smallest set of tokens whose probability reaches p; None = all
+    repetition_penalty: float = 1.0  # > 1 discourages tokens already in the sequence (prompt included)
+    eos_token_id: int | None = None  # a row stops after producing this token; None = never
+    pad_token_id: int = 0  # written after a row has stopped
+    stop_strings: list[str] = field(default_factory=list)  # a row stops once its new text contains one
+    seed: int | None = None  # seeds the sampler's own generator: same seed, same text; None = global RNG
+
+    def __post_init__(self) -> None:
+        check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
+              f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
+        check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
+              and math.isfinite(self.temperature) and self.temperature >= 0,
+              f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+        if self.top_k is not None:
+            check(_is_int(self.top_k) and self.top_k >= 1,
+                  f"top_k must be a positive integer or None, got {self.top_k!r}")
+        if self.top_p is not None:
+            check(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool)
+                  and 0 < self.top_p <= 1, f"top_p must be in (0, 1] or None, got {self.top_p!r}")
+        check(isinstance(self.repetition_penalty, (int, float)) and not isinstance(self.repetition_penalty, bool)
+              and math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
+              f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+        if self.eos_token_id is not None:
+            check(_is_int(self.eos_token_id) and self.eos_token_id >= 0,
+                  f"eos_token_id must be a token id >= 0 or None, got {self.eos_token_id!r}")
+        check(_is_int(self.pad_token_id), f"pad_token_id must be an integer, got {self.pad_token_id!r}")
+        check(isinstance(self.stop_strings, (list, tuple)),
+              f"stop_strings must be a list of strings, got {self.stop_strings!r}")
+        self.stop_strings = list(self.stop_strings)
+        for s in self.stop_strings:
+            check(isinstance(s, str) and s != "", f"stop_strings must hold non-empty strings, got {s!r}")
+        if self.seed is not None:
+            check(_is_int(self.seed) and self.seed >= 0, f"seed must be an integer >= 0 or None, got {self.seed!r}")
+
+    @property
+    def greedy(self) -> bool:
+        """True when decoding takes the argmax (``do_sample`` off or ``temperature`` 0)."""
+        return not self.do_sample or self.temperature == 0
