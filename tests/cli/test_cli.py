@@ -1,0 +1,100 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from tokenloom.cli.main import main
+
+TEXT = "ROMEO:\nBut soft, what light through yonder window breaks?\n\nJULIET:\nAy me.\n" * 60
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    root = tmp_path_factory.mktemp("cli")
+    (root / "corpus.txt").write_text(TEXT)
+    recipe = {
+        "model": {"num_layers": 2, "num_heads": 2, "embed_dim": 32, "max_seq_len": 64},
+        "data": {"path": str(root / "corpus.txt")},
+        "train": {"max_steps": 40, "batch_size": 8, "seq_len": 32, "lr": 3e-3, "warmup_steps": 5,
+                  "eval_every": 20, "eval_batches": 2, "checkpoint_every": 20, "precision": "fp32"},
+    }
+    (root / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    assert main(["train", str(root / "recipe.yaml"), "--out", str(root / "run")]) == 0
+    return root
+
+
+def test_train_writes_checkpoint_and_metrics(trained):
+    ckpt = trained / "run" / "checkpoint"
+    for name in ("config.yaml", "model.safetensors", "tokenizer.json", "trainer_state.pt"):
+        assert (ckpt / name).is_file()
+    records = [json.loads(line) for line in (trained / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert records[-1]["step"] == 40 and "val_loss" in records[-1]
+
+
+def test_generate_prints_prompt_and_continuation(trained, capsys):
+    assert main(["generate", str(trained / "run"), "--prompt", "ROMEO:", "--max-new-tokens", "30",
+                 "--seed", "1", "--temperature", "0.8", "--top-k", "5"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ROMEO:") and len(out) >= len("ROMEO:") + 30
+
+
+def test_generate_same_seed_same_text(trained, capsys):
+    args = ["generate", str(trained / "run"), "--prompt", "J", "--max-new-tokens", "40", "--seed", "3"]
+    main(args)
+    first = capsys.readouterr().out
+    main(args)
+    assert capsys.readouterr().out == first
+
+
+def test_generate_num_samples_and_stop(trained, capsys):
+    assert main(["generate", str(trained / "run"), "--prompt", "R", "--max-new-tokens", "60", "--greedy",
+                 "--num-samples", "2", "--stop", "\n"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- sample") == 2
+    first = out.split("--- sample 2 ---")[0].split("--- sample 1 ---\n")[1]
+    assert first.rstrip("\n").count("\n") == 0  # stopped at the first newline
+
+
+def test_evaluate_reports_loss_and_speed(trained, capsys):
+    assert main(["evaluate", str(trained / "run"), "--json", "--batches", "2"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["val_loss"] > 0 and result["val_ppl"] > 1 and result["tokens_per_s"] > 0
+
+
+def test_resume_continues(trained, tmp_path, capsys):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained / "run", run)
+    assert main(["train", "--out", str(run), "--resume", "--set", "train.max_steps=45"]) == 0
+    assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 45
+
+
+@pytest.mark.parametrize("args, message", [
+    (["generate", "{run}", "--prompt", "ROMEO: \u00e9\u20ac"], "characters outside the vocabulary: '\u00e9', '\u20ac'"),
+    (["generate", "{run}", "--max-new-tokens", "500"], "context of 64"),
+    (["generate", "{root}/nowhere"], "checkpoint not found"),
+    (["train", "{root}/recipe.yaml", "--out", "{run}"], "already holds a checkpoint"),
+    (["train", "{root}/recipe.yaml", "--out", "{root}/x", "--set", "train.max_stpes=3"], "did you mean 'max_steps'"),
+    (["train", "{root}/missing.yaml", "--out", "{root}/x"], "config file not found"),
+])
+def test_bad_input_is_one_line(trained, capsys, args, message):
+    args = [a.format(run=trained / "run", root=trained) for a in args]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_corrupt_checkpoint_subprocess(trained, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained / "run", run)
+    weights = run / "checkpoint" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:500])
+    proc = subprocess.run([sys.executable, "-m", "tokenloom", "generate", str(run)], capture_output=True, text=True)
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("error: ") and "truncated or corrupt" in proc.stderr
+    assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
