@@ -7,7 +7,7 @@ is slower). Reported per (shape, batch size): ms per generated token (wall time 
 of the 16-token prompt included), the ratio HF / tokenloom (> 1: tokenloom faster) and the fraction of
 generated tokens that agree. For the gpt2 shape at batch 1 it also prints the memory-bandwidth
 bound: every weight must be read once per step, so a step takes at least weight bytes / bandwidth,
-with the bandwidth measured in the same run (best of 5 ``x.sum()`` over a 1 GiB fp32 tensor).
+with the bandwidth measured in the same run (best of 10 ``x.sum()`` over a 1 GiB fp32 tensor).
 
     python benchmarks/bench_generate.py
     python benchmarks/bench_generate.py --shapes tiny --batch-sizes 1 --new-tokens 64
@@ -94,7 +94,7 @@ def timed(fns: list[Callable[[], Tensor]], repeats: int) -> list[tuple[float, Te
     return best
 
 
-def measure_bandwidth(gib: float = 1.0, repeats: int = 5) -> float:
+def measure_bandwidth(gib: float = 1.0, repeats: int = 10) -> float:
     """Read bandwidth in bytes/s: best of ``repeats`` ``x.sum()`` over ``gib`` GiB of fp32."""
     x = torch.ones(int(gib * 2**30) // 4)
     x.sum()
@@ -198,7 +198,7 @@ def print_tables(results: dict, reference_loop: bool) -> None:
         print(f"{r['shape']:<6} {r['batch_size']:>5} {r['tokenloom_ms_per_token']:>17.2f} "
               f"{r['hf_ms_per_token']:>10.2f} {r['hf_over_tokenloom']:>12.2f}x {r['token_agreement']:>10.3f}")
     bw = results["bandwidth_bytes_per_s"]
-    print(f"\nmemory bandwidth: {bw / 1e9:.1f} GB/s (best of 5 x.sum() over a 1 GiB fp32 tensor)")
+    print(f"\nmemory bandwidth: {bw / 1e9:.1f} GB/s (best of 10 x.sum() over a 1 GiB fp32 tensor)")
     for r in results["generate"]:
         if "bandwidth_bound_ms" in r:
             print(f"gpt2 batch 1: weights {r['weight_bytes'] / 1e6:.0f} MB -> bound "
@@ -244,8 +244,9 @@ def main(argv: list[str] | None = None) -> None:
     results.update(torch=torch.__version__, transformers=transformers.__version__, threads=args.threads,
                    date=time.strftime("%Y-%m-%d"), machine=platform.processor() or platform.machine(),
                    load_average=(load_before, os.getloadavg()[0]))
-    print(f"1-min load average before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f} "
-          f"(well above {args.threads}: other processes competed for the CPU)")
+    load = results["load_average"]
+    print(f"1-min load average before/after: {load[0]:.2f} / {load[1]:.2f}"
+          + (" (other processes competed for the CPU)" if min(load) > args.threads + 0.5 else ""))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 

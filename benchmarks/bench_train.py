@@ -3,6 +3,8 @@
 Each variant trains a fresh copy of the same initial weights with AdamW(lr=3e-4, torch's default
 fused/foreach choice) on the same random token batches. The loss is computed the same way for both
 models (logits, then ``F.cross_entropy``), so what differs is the model forward/backward only.
+tokens/s = batch * context / median step time over the timed steps (the median shrugs off bursts of
+load from other processes; the mean is printed too). Variants take turns across ``--repeats``.
 
     python benchmarks/bench_train.py                          # small and medium shapes
     python benchmarks/bench_train.py --shapes small --timed-steps 50 --out train.json
@@ -20,6 +22,7 @@ import copy
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from collections.abc import Callable
@@ -57,23 +60,24 @@ def logits_fn(model: nn.Module, is_hf: bool) -> Callable[[Tensor], Tensor]:
 
 
 def train_steps(model: nn.Module, is_hf: bool, bf16: bool, batches: list[tuple[Tensor, Tensor]],
-                warmup: int) -> tuple[float, float]:
-    """Train on ``batches``; return (seconds for the batches after ``warmup``, last loss)."""
+                warmup: int) -> tuple[list[float], float]:
+    """Train on ``batches``; return (seconds of each step after ``warmup``, last loss)."""
     model.train()
     forward = logits_fn(model, is_hf)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    start = 0.0
+    seconds = []
     loss = torch.zeros(())
     for step, (x, y) in enumerate(batches):
-        if step == warmup:
-            start = time.perf_counter()
+        start = time.perf_counter()
         with autocast(bf16):
             logits = forward(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return time.perf_counter() - start, float(loss.detach())
+        if step >= warmup:
+            seconds.append(time.perf_counter() - start)
+    return seconds, float(loss.detach())
 
 
 def random_batches(n: int, batch_size: int, seq_len: int, seed: int) -> list[tuple[Tensor, Tensor]]:
@@ -94,23 +98,30 @@ VARIANTS = [  # (label, is_hf, bf16)
 
 
 def bench_shape(shape: str, warmup: int, timed: int, repeats: int, seed: int) -> list[dict]:
+    """Every variant from the same initial weights on the same batches. tokens/s comes from the median
+    step time (robust to bursts of load from other processes); the mean is kept alongside."""
     s = SHAPES[shape]
     torch.manual_seed(seed)
     base = GPT(model_config(shape))
     batches = random_batches(warmup + timed, s["batch_size"], s["max_seq_len"], seed)
-    tokens = timed * s["batch_size"] * s["max_seq_len"]
-    times: dict[str, list[float]] = {label: [] for label, _, _ in VARIANTS}
+    step_tokens = s["batch_size"] * s["max_seq_len"]
+    steps: dict[str, list[float]] = {label: [] for label, _, _ in VARIANTS}
     losses: dict[str, float] = {}
     for _ in range(repeats):  # variants take turns, so a burst of load from elsewhere hits them alike
         for label, is_hf, bf16 in VARIANTS:
             model = to_hf_gpt2(copy.deepcopy(base)) if is_hf else copy.deepcopy(base)
             seconds, losses[label] = train_steps(model, is_hf, bf16, batches, warmup)
-            times[label].append(seconds)
+            steps[label] += seconds
             del model
-            print(f"  {shape:<7} {label:<15} {tokens / seconds:>10.0f} tok/s", file=sys.stderr, flush=True)
-    rows = [dict(shape=shape, variant=label, tokens_per_s=tokens / min(times[label]), seconds=min(times[label]),
-                 timed_steps=timed, warmup_steps=warmup, batch_size=s["batch_size"], seq_len=s["max_seq_len"],
-                 last_loss=losses[label]) for label, _, _ in VARIANTS]
+            print(f"  {shape:<7} {label:<15} {step_tokens / statistics.median(seconds):>10.0f} tok/s "
+                  f"(median step)", file=sys.stderr, flush=True)
+    rows = []
+    for label, _, _ in VARIANTS:
+        median, mean = statistics.median(steps[label]), statistics.fmean(steps[label])
+        rows.append(dict(shape=shape, variant=label, tokens_per_s=step_tokens / median,
+                         tokens_per_s_mean=step_tokens / mean, ms_per_step_median=1000 * median,
+                         ms_per_step_mean=1000 * mean, timed_steps=timed, repeats=repeats, warmup_steps=warmup,
+                         batch_size=s["batch_size"], seq_len=s["max_seq_len"], last_loss=losses[label]))
     ref = next(r["tokens_per_s"] for r in rows if r["variant"] == "HF fp32")
     for r in rows:
         r["vs_hf_fp32"] = r["tokens_per_s"] / ref
@@ -118,12 +129,11 @@ def bench_shape(shape: str, warmup: int, timed: int, repeats: int, seed: int) ->
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'shape':<8} {'variant':<16} {'tokens/s':>10} {'vs HF fp32':>11} {'ms/step':>9} "
-          f"{'last loss':>10}")
+    print(f"{'shape':<8} {'variant':<16} {'tokens/s':>10} {'vs HF fp32':>11} {'ms/step':>8} "
+          f"{'(mean)':>8} {'last loss':>10}")
     for r in rows:
-        ms = 1000 * r["seconds"] / r["timed_steps"]
         print(f"{r['shape']:<8} {r['variant']:<16} {r['tokens_per_s']:>10.0f} {r['vs_hf_fp32']:>10.2f}x "
-              f"{ms:>9.1f} {r['last_loss']:>10.4f}")
+              f"{r['ms_per_step_median']:>8.1f} {r['ms_per_step_mean']:>8.1f} {r['last_loss']:>10.4f}")
 
 
 # ---------------------------------------------------------------- loss curve on real text
@@ -172,15 +182,17 @@ def loss_curve(steps: int, data_path: Path, seed: int) -> dict:
         model.train()
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
         curve = []
-        start = time.perf_counter()
+        train_seconds = 0.0
         for step in range(1, steps + 1):
             x, y = windows(train, train_starts[step - 1], T)
+            start = time.perf_counter()
             with autocast(bf16):
                 logits = model(x)
                 loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
             loss.backward()
             opt.step()
             opt.zero_grad(set_to_none=True)
+            train_seconds += time.perf_counter() - start
             if step in checkpoints:
                 point = dict(step=step, train_loss=float(loss.detach()),
                              val_loss_fp32=eval_loss(model, val, False),
@@ -188,7 +200,7 @@ def loss_curve(steps: int, data_path: Path, seed: int) -> dict:
                 curve.append(point)
                 print(f"  {label} step {step}: val loss (fp32 eval) {point['val_loss_fp32']:.4f}",
                       file=sys.stderr, flush=True)
-        result["runs"][label] = dict(curve=curve, seconds=time.perf_counter() - start)
+        result["runs"][label] = dict(curve=curve, seconds=train_seconds)
     print(f"\nloss curve: medium shape, Tiny Shakespeare chars (vocab {vocab}), batch {B} x {T}, "
           f"AdamW lr 3e-4, {steps} steps; val = 8 fixed batches from the last 10% of the text")
     print(f"{'step':>6} {'fp32 val':>9} {'bf16 val':>9} {'|diff|':>7} {'bf16 val (bf16 eval)':>21}")
@@ -197,7 +209,8 @@ def loss_curve(steps: int, data_path: Path, seed: int) -> dict:
         print(f"{a['step']:>6} {a['val_loss_fp32']:>9.4f} {b['val_loss_fp32']:>9.4f} {diff:>7.4f} "
               f"{b['val_loss_bf16']:>21.4f}")
     for label, run in result["runs"].items():
-        print(f"{label} training: {run['seconds']:.1f} s ({1000 * run['seconds'] / steps:.0f} ms/step)")
+        print(f"{label} training: {run['seconds']:.1f} s ({1000 * run['seconds'] / steps:.0f} ms/step, "
+              f"evaluation excluded)")
     return result
 
 
@@ -209,7 +222,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--timed-steps", type=int, default=None,
                         help="timed steps per variant (default: 20 for small, 10 for medium)")
     parser.add_argument("--repeats", type=int, default=1,
-                        help="time each variant this many times (taking turns), keep the best")
+                        help="run each variant this many times (taking turns) and pool the timed steps")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="torch.set_num_threads (default: all cores)")
     parser.add_argument("--seed", type=int, default=0)
@@ -238,8 +251,8 @@ def main(argv: list[str] | None = None) -> None:
         results = dict(info, train=rows)
     load = (load_before, os.getloadavg()[0])
     results["load_average"] = load
-    print(f"1-min load average before/after: {load[0]:.2f} / {load[1]:.2f} "
-          f"(well above {args.threads}: other processes competed for the CPU)")
+    print(f"1-min load average before/after: {load[0]:.2f} / {load[1]:.2f}"
+          + (" (other processes competed for the CPU)" if min(load) > args.threads + 0.5 else ""))
     if args.out:
         args.out.write_text(json.dumps(results, indent=2))
 
