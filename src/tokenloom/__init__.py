@@ -1,8 +1,9 @@
 """tokenloom: the Transformer family, real, fast and practical on an ordinary machine."""
 
 from .errors import TokenloomError
+from .generation import GenerationConfig, generate, stream
 from .models import GPT, GPTConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["GPT", "GPTConfig", "TokenloomError", "__version__"]
+__all__ = ["GPT", "GPTConfig", "GenerationConfig", "TokenloomError", "__version__", "generate", "stream"]

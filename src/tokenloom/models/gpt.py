@@ -17,16 +17,20 @@ hooks on any submodule switch this off (the modules are then called as usual).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config import check, check_choice
 from ..errors import ConfigError, GenerationError
 from ..nn import ATTENTION_BACKENDS, BLOCKS, MLPS, NORMS, POSITIONS, KVCache, create_block, create_norm
-from ..nn.block import inference_function
+from ..nn.block import StepFunction, inference_function
 from ..nn.masks import causal_mask, padding_mask, positions_from_mask
 from ..nn.positions import Position
 from ..registry import did_you_mean
@@ -94,6 +98,15 @@ GPT_PRESETS: dict[str, dict] = {
     "llama-tiny": dict(num_layers=4, num_heads=8, num_kv_heads=2, embed_dim=256, max_seq_len=256,
                        position="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False),
 }
+
+
+class DecodePlan(NamedTuple):
+    """Plain functions for one-token eval steps, bound to one cache (see the module docstring)."""
+
+    steps: list[StepFunction]  # per block: (x (B, C), pos, attn_mask, rope) -> (B, C)
+    final_norm: Callable[[Tensor], Tensor]
+    embed: Callable[[Tensor], Tensor]  # (B, 1) ids -> (B, 1, C)
+    head: Callable[[Tensor], Tensor]  # (B, 1, C) -> (B, 1, V)
 
 
 class GPT(nn.Module):
@@ -194,7 +207,10 @@ class GPT(nn.Module):
                 positions = positions_from_mask(attention_mask)[:, past:]
             else:
                 positions = torch.arange(past, S, device=device)[None].expand(B, T)
-        x = self.tok_embed(input_ids)  # (B, T, C)
+        plan = None
+        if T == 1 and cache is not None and not need_weights and not self.training:
+            plan = (cache.plan if cache.plan is not None else self._decode_plan(cache)) or None
+        x = self.tok_embed(input_ids) if plan is None else plan.embed(input_ids)  # (B, T, C)
         added = self.position.embed(positions)
         if added is not None:
             x = x + added
@@ -204,14 +220,12 @@ class GPT(nn.Module):
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") and device.type == "cpu" \
             else x.dtype
         attn_mask, is_causal = self._attention_inputs(T, past, attention_mask, device, dtype)
-        if T == 1 and cache is not None and not need_weights and not self.training:
-            plan = cache.plan if cache.plan is not None else self._decode_plan(cache)
-            if plan:
-                steps, final_norm = plan
-                for step in steps:
-                    x = step(x, past, attn_mask, rope)
-                cache.advance(1)
-                return final_norm(x), [None] * len(steps)
+        if plan is not None:
+            x = x.view(B, -1)  # (B, C): the step functions take one position per row
+            for step in plan.steps:
+                x = step(x, past, attn_mask, rope)
+            cache.advance(1)
+            return plan.final_norm(x).view(B, 1, -1), [None] * len(plan.steps)
         weights = []
         for i, block in enumerate(self.blocks):
             kwargs = dict(attn_mask=attn_mask, is_causal=is_causal, rope=rope,
@@ -226,15 +240,19 @@ class GPT(nn.Module):
             cache.advance(T)
         return self.final_norm(x), weights
 
-    def _decode_plan(self, cache: KVCache) -> tuple[list, object] | bool:
-        """Build (per-block step functions bound to ``cache``, final norm function) and keep it on
-        ``cache.plan``; False (use the modules) when a submodule has forward hooks or a block has no
-        ``inference_step``."""
+    def _decode_plan(self, cache: KVCache) -> DecodePlan | bool:
+        """Build the :class:`DecodePlan` bound to ``cache`` and keep it on ``cache.plan``; False (call the
+        modules) when a submodule has forward hooks or a block has no ``inference_step``."""
         hooks = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
         hooked = any(hooks) or any(m._forward_hooks or m._forward_pre_hooks for m in self.modules() if m is not self)
         steps = [] if hooked else [getattr(b, "inference_step", lambda kv: None)(cache.layer_kv(i))
                                    for i, b in enumerate(self.blocks)]
-        cache.plan = False if hooked or None in steps else (steps, inference_function(self.final_norm))
+        cache.plan = False
+        if not hooked and None not in steps:
+            head = self.lm_head
+            cache.plan = DecodePlan(steps=steps, final_norm=inference_function(self.final_norm),
+                                    embed=partial(torch.embedding, self.tok_embed.weight),
+                                    head=partial(F.linear, weight=head.weight, bias=head.bias))
         return cache.plan
 
     def forward_head(self, hidden: Tensor) -> Tensor:
@@ -246,7 +264,8 @@ class GPT(nn.Module):
         """(B, T) token ids -> (B, T, V) logits."""
         hidden, _ = self.forward_features(input_ids, positions=positions, attention_mask=attention_mask,
                                           cache=cache)
-        return self.forward_head(hidden)
+        plan = cache.plan if cache is not None and hidden.shape[1] == 1 else None
+        return plan.head(hidden) if plan else self.forward_head(hidden)
 
     def with_config(self, **overrides) -> GPTConfig:
         return replace(self.config, **overrides)

@@ -123,9 +123,10 @@ class MultiHeadAttention(nn.Module):
     def inference_step(self, kv: Tensor) -> Callable[[Tensor, int, Tensor | None, tuple[Tensor, Tensor] | None],
                                                      Tensor]:
         """A plain function for one eval-mode decode step of self-attention over the cache ``kv``
-        (2, B, Hkv, max_len, D), the same computation as ``forward`` with T = 1, without module overhead::
+        (2, B, Hkv, max_len, D), the same computation as ``forward`` with T = 1, without module overhead,
+        on one position per row (2-D ``x``, so each linear is a single matrix product)::
 
-            step(x (B, 1, C), pos, attn_mask (B|1, H|1, 1, pos + 1) | None, rope) -> (B, 1, C)
+            step(x (B, C), pos, attn_mask (B|1, H|1, 1, pos + 1) | None, rope) -> (B, C)
 
         writes the new key and value at ``pos`` and attends over positions ``[0, pos]``.
         """
@@ -150,6 +151,6 @@ class MultiHeadAttention(nn.Module):
                 k_buf[:, :, pos:end] = qk[:, H:]
                 v_buf[:, :, pos:end] = qkv[:, H + Hkv:]
             out, _ = backend(q, k_buf[:, :, :end], v_buf[:, :, :end], attn_mask, False, 0.0, False)
-            return F.linear(out.reshape(B, 1, H * D), w_out, b_out)  # (B, H, 1, D) -> (B, 1, C)
+            return F.linear(out.reshape(B, H * D), w_out, b_out)  # (B, H, 1, D) -> (B, C)
 
         return step

@@ -6,8 +6,9 @@
 A decoder block of an encoder-decoder model adds a cross-attention sublayer between the two.
 Shapes: x (B, T, C); memory (B, S, C).
 
-``inference_step(kv)`` returns a plain function for one eval-mode decode step (T = 1) of a self-attention
-block over its cache ``kv``, computed without ``nn.Module`` call overhead (None for cross-attention blocks).
+``inference_step(kv)`` returns a plain function for one eval-mode decode step of a self-attention block
+over its cache ``kv``, on x (B, C) (one position per row), computed without ``nn.Module`` call overhead
+(None for cross-attention blocks); see :meth:`MultiHeadAttention.inference_step`.
 """
 
 from __future__ import annotations

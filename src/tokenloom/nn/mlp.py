@@ -43,6 +43,7 @@ class _TwoLayerMLP(nn.Module):
         return mlp
 
     def inference_act(self) -> Callable[[Tensor], Tensor]:
+        """The activation :meth:`inference_function` applies: :meth:`act`, or an equal faster form."""
         return self.act
 
 
@@ -50,13 +51,13 @@ def gelu_native(x: Tensor) -> Tensor:
     """Exact GELU by ATen's own kernel. On CPU, float32 ``F.gelu`` runs a oneDNN primitive whose fixed
     cost (~10 us a call) dominates at decode sizes (one token); ATen's kernel agrees to float rounding.
     (It switches oneDNN off process-wide for the duration of the call.)"""
-    if not (x.is_cpu and torch.backends.mkldnn.enabled):
+    if not (x.is_cpu and torch._C._get_mkldnn_enabled()):  # = torch.backends.mkldnn.enabled, without overhead
         return F.gelu(x)
-    torch.backends.mkldnn.enabled = False
+    torch._C._set_mkldnn_enabled(False)
     try:
         return F.gelu(x)
     finally:
-        torch.backends.mkldnn.enabled = True
+        torch._C._set_mkldnn_enabled(True)
 
 
 @MLPS.register("gelu")

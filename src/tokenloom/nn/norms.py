@@ -11,7 +11,6 @@ from functools import partial
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from ..registry import Registry
 
@@ -26,8 +25,8 @@ class LayerNorm(nn.LayerNorm):
         super().__init__(dim, eps=eps, bias=bias)
 
     def inference_function(self) -> Callable[[Tensor], Tensor]:
-        return partial(F.layer_norm, normalized_shape=self.normalized_shape, weight=self.weight, bias=self.bias,
-                       eps=self.eps)
+        return partial(torch.layer_norm, normalized_shape=self.normalized_shape, weight=self.weight,
+                       bias=self.bias, eps=self.eps)
 
 
 @NORMS.register("rmsnorm")
@@ -43,7 +42,7 @@ class RMSNorm(nn.Module):
         return nn.functional.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
     def inference_function(self) -> Callable[[Tensor], Tensor]:
-        return partial(F.rms_norm, normalized_shape=(self.weight.shape[0],), weight=self.weight, eps=self.eps)
+        return partial(torch.rms_norm, normalized_shape=(self.weight.shape[0],), weight=self.weight, eps=self.eps)
 
 
 def create_norm(name: str, dim: int, bias: bool = True, eps: float | None = None) -> nn.Module:

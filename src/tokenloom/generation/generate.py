@@ -1,0 +1,205 @@
+"""Autoregressive decoding (greedy and sampling) with a KV cache: :func:`generate` and :func:`stream`.
+
+Shape legend: B batch, T prompt length (left padding included), n new tokens, V vocabulary size.
+
+The model protocol (:class:`tokenloom.models.GPT` follows it)::
+
+    logits = model(ids (B, T), positions=(B, T), attention_mask=(B, S) | None, cache=cache)  # (B, T, V)
+    cache = model.create_cache(batch_size, max_len)     # the model advances cache.length
+    model.config.max_seq_len, model.config.vocab_size
+
+* Prompts of different lengths are left-padded and marked by ``attention_mask`` (1 = token, 0 = padding);
+  positions count real tokens only, so a row decodes exactly as it would alone.
+* There is no sliding window: the prompt (padding included) plus ``max_new_tokens`` must fit in
+  ``max_seq_len``, or :class:`GenerationError` says by how much it does not.
+* A row stops after its EOS token or once its new text contains a stop string (decoded with ``tokenizer``
+  over a tail window of the new tokens); the tokens that completed the stop string stay in the output,
+  and every later position of that row holds ``pad_token_id``. Decoding ends when all rows have
+  stopped or after ``max_new_tokens`` steps.
+* :func:`generate` is :func:`stream` run to the end; both run under ``torch.inference_mode()`` with the
+  model in eval mode (its previous mode is restored afterwards).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import GenerationError
+from .config import GenerationConfig
+from .processors import create_processors
+
+
+class Tokenizer(Protocol):
+    def decode(self, ids: list[int]) -> str: ...
+
+
+def generate(model: nn.Module, input_ids: Tensor, config: GenerationConfig | None = None,
+             attention_mask: Tensor | None = None, tokenizer: Tokenizer | None = None) -> Tensor:
+    """(B, T) prompt ids -> (B, T + n) prompt and new ids, n <= ``config.max_new_tokens`` (fewer when every
+    row stops early); positions after a row stopped hold ``config.pad_token_id``."""
+    decoding = _Decoding(model, input_ids, config or GenerationConfig(), attention_mask, tokenizer)
+    steps = sum(1 for _ in decoding)
+    out = decoding.sequences[:, :decoding.prompt_len + steps]
+    if decoding.padded:
+        out[:, :decoding.prompt_len] = input_ids  # the padding positions held a stand-in while decoding
+    return out
+
+
+def stream(model: nn.Module, input_ids: Tensor, config: GenerationConfig | None = None,
+           attention_mask: Tensor | None = None, tokenizer: Tokenizer | None = None) -> Iterator[Tensor]:
+    """Yield each step's new tokens, (B,) ids, as they are produced (a stopped row yields
+    ``pad_token_id``). The arguments are checked here, before the first step."""
+    return iter(_Decoding(model, input_ids, config or GenerationConfig(), attention_mask, tokenizer))
+
+
+class _Decoding:
+    """One decoding run: checks the request, preallocates the (B, T + n) output, iterates the steps."""
+
+    def __init__(self, model: nn.Module, input_ids: Tensor, config: GenerationConfig,
+                 attention_mask: Tensor | None, tokenizer: Tokenizer | None) -> None:
+        self.model, self.config, self.tokenizer = model, config, tokenizer
+        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+            raise GenerationError(f"input_ids must be a (batch, length) integer tensor, got "
+                                  f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+        B, T = input_ids.shape
+        n = config.max_new_tokens
+        if B == 0 or T == 0:
+            raise GenerationError(f"empty prompt: input_ids has shape {tuple(input_ids.shape)}; give at least "
+                                  "one token per row")
+        if config.stop_strings and tokenizer is None:
+            raise GenerationError("stop_strings need a tokenizer (an object with .decode(ids) -> str) to "
+                                  "read the generated text")
+        mask = self._check_mask(input_ids, attention_mask)
+        model_config = getattr(model, "config", None)
+        real = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        vocab = getattr(model_config, "vocab_size", None)
+        if vocab is not None:
+            bad = input_ids[real & ((input_ids < 0) | (input_ids >= vocab))].unique()
+            if bad.numel():
+                shown = ", ".join(str(i) for i in bad[:10].tolist()) + (", ..." if bad.numel() > 10 else "")
+                raise GenerationError(f"prompt holds token ids outside the vocabulary [0, {vocab}): {shown}")
+        context = getattr(model_config, "max_seq_len", None)
+        if context is not None and T + n > context:
+            raise GenerationError(f"prompt of {T} tokens + max_new_tokens={n} = {T + n} positions exceeds the "
+                                  f"model's context of {context} (no sliding window: shorten the prompt or "
+                                  "lower max_new_tokens)")
+
+        device = input_ids.device
+        self.prompt_len, self.padded = T, mask is not None
+        self.sequences = torch.empty(B, T + n, dtype=torch.long, device=device)  # (B, T + n) output buffer
+        if mask is None:
+            self.sequences[:, :T] = input_ids
+            positions = torch.arange(T + n, device=device).expand(B, -1).contiguous()  # (B, T + n)
+        else:
+            # padding positions take the row's first token: valid for the embedding and, already being
+            # in the row, neutral for the repetition penalty
+            lengths = mask.sum(-1, keepdim=True)  # (B, 1) real tokens per row
+            first = input_ids.gather(1, T - lengths)  # (B, 1)
+            self.sequences[:, :T] = torch.where(real, input_ids, first)
+            positions = torch.cat(((mask.cumsum(-1) - 1).clamp(min=0),
+                                   lengths + torch.arange(n, device=device)), dim=1)  # (B, T + n)
+            self.mask = torch.cat((mask, mask.new_ones(B, n)), dim=1)  # (B, T + n)
+        self.positions = positions
+        # per-step views, made once: the inputs' positions and the output columns
+        self.step_positions = positions[:, T:].split(1, dim=1)  # n x (B, 1)
+        self.columns = self.sequences[:, T:].split(1, dim=1)  # n x (B, 1)
+        self.yielded = self.sequences[:, T:].unbind(1)  # n x (B,)
+        self.processors = create_processors(config)
+        self.generator = None
+        if not config.greedy and config.seed is not None:
+            self.generator = torch.Generator(device=device).manual_seed(config.seed)
+
+    @staticmethod
+    def _check_mask(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:
+        """The (B, T) 0/1 mask as long, or None when there is no padding; rejects right padding."""
+        if attention_mask is None:
+            return None
+        if attention_mask.shape != input_ids.shape:
+            raise GenerationError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
+                                  f"{tuple(input_ids.shape)}")
+        mask = attention_mask.long()
+        if ((mask != 0) & (mask != 1)).any():
+            raise GenerationError("attention_mask must hold only 0 (padding) and 1 (token)")
+        if mask.all():
+            return None
+        if (mask[:, 1:] < mask[:, :-1]).any():
+            raise GenerationError("attention_mask must be left-padded (padding first, then the prompt); "
+                                  "a row has padding after a token")
+        empty = (mask.sum(-1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise GenerationError(f"empty prompt: row(s) {empty} of attention_mask are all padding")
+        return mask
+
+    def __iter__(self) -> Iterator[Tensor]:
+        model, config, sequences = self.model, self.config, self.sequences
+        B, T, n = sequences.shape[0], self.prompt_len, config.max_new_tokens
+        processors, generator, greedy = self.processors, self.generator, config.greedy
+        columns, yielded, step_positions = self.columns, self.yielded, self.step_positions
+        full_mask = self.mask if self.padded else None
+        eos, pad = config.eos_token_id, config.pad_token_id
+        stops = StopStrings(config.stop_strings, self.tokenizer, B) if config.stop_strings else None
+        track = eos is not None or stops is not None
+        inference = torch.inference_mode()  # entered around each step, never across a yield
+        was_training = model.training
+        model.eval()
+        try:
+            finished = torch.zeros(B, 1, dtype=torch.bool, device=sequences.device)  # rows that stopped
+            with inference:
+                cache = model.create_cache(B, T + n)
+            tokens, positions = sequences[:, :T], self.positions[:, :T]  # the prompt, then (B, 1) per step
+            mask = full_mask[:, :T] if full_mask is not None else None
+            for t in range(n):
+                with inference:
+                    logits = model(tokens, positions=positions, attention_mask=mask, cache=cache)  # (B, T|1, V)
+                    scores = logits[:, -1]  # (B, V)
+                    if scores.dtype != torch.float32:
+                        scores = scores.float()
+                    if processors:
+                        scores = processors(sequences[:, :T + t], scores)
+                    if greedy:
+                        tokens = scores.argmax(-1, keepdim=True)  # (B, 1)
+                    else:
+                        tokens = torch.multinomial(scores.softmax(-1), 1, generator=generator)  # (B, 1)
+                    if track:
+                        columns[t].copy_(tokens.masked_fill(finished, pad))
+                        if eos is not None:
+                            finished |= tokens == eos
+                    else:
+                        columns[t].copy_(tokens)
+                if stops is not None:
+                    stops.update(yielded[t], finished)
+                yield yielded[t]
+                if track and bool(finished.all()):
+                    return
+                positions = step_positions[t]
+                if full_mask is not None:
+                    mask = full_mask[:, :T + t + 1]
+        finally:
+            model.train(was_training)
+
+
+class StopStrings:
+    """Per-row stop-string detection over a tail window of each row's new tokens."""
+
+    def __init__(self, stop_strings: list[str], tokenizer: Tokenizer, batch_size: int) -> None:
+        self.stop_strings, self.tokenizer = stop_strings, tokenizer
+        # a stop string of L characters spans at most L tokens of >= 1 character; slack for empty ones
+        self.window = max(len(s) for s in stop_strings) + 8
+        self.new_ids: list[list[int]] = [[] for _ in range(batch_size)]
+
+    def update(self, tokens: Tensor, finished: Tensor) -> None:
+        """Append this step's (B,) ``tokens``; mark rows whose new text now holds a stop string in the
+        (B, 1) ``finished``."""
+        done = finished.view(-1).tolist()
+        for row, (token, stopped) in enumerate(zip(tokens.tolist(), done, strict=True)):
+            if stopped:
+                continue
+            ids = self.new_ids[row]
+            ids.append(token)
+            text = self.tokenizer.decode(ids[-self.window:])
+            if any(s in text for s in self.stop_strings):
+                finished[row] = True

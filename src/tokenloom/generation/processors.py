@@ -1,0 +1,106 @@
+"""Logits processors: small callables ``(input_ids (B, S), scores (B, V)) -> scores (B, V)``.
+
+``input_ids`` is the sequence so far (prompt and generated tokens), ``scores`` the next-token logits.
+A :class:`LogitsProcessorList` applies them in order; :func:`create_processors` builds the list a
+:class:`GenerationConfig` asks for, leaving out the ones that would change nothing. Order (as in Hugging
+Face transformers): repetition penalty, then temperature, top-k, top-p.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import Tensor
+
+from .config import GenerationConfig
+
+
+class LogitsProcessor(Protocol):
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor: ...
+
+
+class LogitsProcessorList(list):
+    """Processors applied in order: ``scores = p(input_ids, scores)`` for each."""
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        for processor in self:
+            scores = processor(input_ids, scores)
+        return scores
+
+
+class TemperatureProcessor:
+    """``scores / temperature``: below 1 sharpens the distribution, above 1 flattens it."""
+
+    def __init__(self, temperature: float) -> None:
+        if not temperature > 0:
+            raise ValueError(f"temperature must be > 0, got {temperature}")
+        self.temperature = temperature
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        return scores / self.temperature
+
+
+class TopKProcessor:
+    """Keep the ``top_k`` highest scores (and any tied with the k-th), set the rest to -inf."""
+
+    def __init__(self, top_k: int) -> None:
+        if top_k < 1:
+            raise ValueError(f"top_k must be >= 1, got {top_k}")
+        self.top_k = top_k
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        kth = torch.topk(scores, min(self.top_k, scores.shape[-1]), dim=-1).values[..., -1:]  # (B, 1)
+        return scores.masked_fill(scores < kth, float("-inf"))
+
+
+class TopPProcessor:
+    """Nucleus filtering: keep the smallest set of most likely tokens whose probabilities sum to at least
+    ``top_p`` (always at least the top token), set the rest to -inf. Ties are ranked by token id (lower
+    first); ``top_p = 1`` keeps everything."""
+
+    def __init__(self, top_p: float) -> None:
+        if not 0 < top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        self.top_p = top_p
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.top_p >= 1:
+            return scores
+        ranked, order = scores.sort(dim=-1, descending=True, stable=True)  # (B, V)
+        probs = ranked.softmax(dim=-1)
+        before = probs.cumsum(dim=-1) - probs  # probability of the better-ranked tokens
+        drop = before >= self.top_p  # the better-ranked tokens already reach p (never the top: p > 0)
+        return scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+
+
+class RepetitionPenaltyProcessor:
+    """CTRL's penalty (Keskar et al. 2019) as in Hugging Face: for every token already in ``input_ids``,
+    a negative score is multiplied by ``penalty`` and a positive one divided by it."""
+
+    def __init__(self, penalty: float) -> None:
+        if not penalty > 0:
+            raise ValueError(f"repetition penalty must be > 0, got {penalty}")
+        self.penalty = penalty
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        seen = scores.gather(-1, input_ids)  # (B, S)
+        seen = torch.where(seen < 0, seen * self.penalty, seen / self.penalty)
+        return scores.scatter(-1, input_ids, seen)
+
+
+def create_processors(config: GenerationConfig) -> LogitsProcessorList:
+    """The processors ``config`` asks for, in order, without no-ops. Greedy decoding keeps only the
+    repetition penalty: temperature, top-k and top-p never change the argmax."""
+    processors = LogitsProcessorList()
+    if config.repetition_penalty != 1.0:
+        processors.append(RepetitionPenaltyProcessor(config.repetition_penalty))
+    if config.greedy:
+        return processors
+    if config.temperature != 1.0:
+        processors.append(TemperatureProcessor(config.temperature))
+    if config.top_k is not None:
+        processors.append(TopKProcessor(config.top_k))
+    if config.top_p is not None and config.top_p < 1.0:
+        processors.append(TopPProcessor(config.top_p))
+    return processors
