@@ -43,11 +43,11 @@ def resolve_checkpoint(path: str | Path) -> Path:
                           f"{path / 'checkpoint'})")
 
 
-def _state_dict_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
+def _state_dict_for_saving(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Contiguous tensors, shared (tied) weights stored once."""
     seen: dict[int, str] = {}
     out = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in state.items():
         key = tensor.data_ptr()
         if key in seen and tensor.numel() > 0:
             continue
@@ -57,18 +57,20 @@ def _state_dict_for_saving(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def write_checkpoint(directory: str | Path, model: nn.Module, config: dict[str, Any], tokenizer: Any = None,
-                     extra: Callable[[Path], None] | None = None, dtype: torch.dtype | None = None) -> Path:
+                     extra: Callable[[Path], None] | None = None, dtype: torch.dtype | None = None,
+                     state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a complete checkpoint to ``directory`` atomically (temp dir + renames).
 
     ``extra(tmp_dir)`` may add files (the trainer's state) before the swap. ``dtype`` stores floating
-    weights in another precision (e.g. bf16 for a small bundled checkpoint).
+    weights in another precision (e.g. bf16 for a small bundled checkpoint). ``state_dict`` replaces
+    the model's own (the trainer's float32 master weights).
     """
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
     old = directory.with_name(directory.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = _state_dict_for_saving(model)
+    tensors = _state_dict_for_saving(state_dict if state_dict is not None else model.state_dict())
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})

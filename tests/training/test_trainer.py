@@ -33,7 +33,7 @@ def params(model):
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-autocast"])
 def test_resume_is_exact(tmp_path, precision):
     cfg = recipe(tmp_path, precision=precision, grad_accum_steps=2)
     full, _ = run(cfg, tmp_path / "full")

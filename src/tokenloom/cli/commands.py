@@ -14,6 +14,8 @@ import torch
 from ..checkpoint import load_model, load_tokenizer, read_config, resolve_checkpoint
 from ..errors import ConfigError, GenerationError
 
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
 
 def train(args: argparse.Namespace) -> int:
     from ..training import load_run_config, setup_run
@@ -53,7 +55,7 @@ def _gen_config(**kwargs):
     return GenerationConfig(**kwargs)
 
 
-def _stream_text(model, tokenizer, prompt: str, config, precision: str = "fp32") -> str:
+def _stream_text(model, tokenizer, prompt: str, config) -> str:
     """Print ``prompt`` and its continuation as the tokens arrive; returns the continuation."""
     from ..generation import stream
 
@@ -65,34 +67,24 @@ def _stream_text(model, tokenizer, prompt: str, config, precision: str = "fp32")
     sys.stdout.flush()
     new: list[int] = []
     shown = ""
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else _null()
-    with ctx:
-        for token in stream(model, input_ids, config, tokenizer=tokenizer):
-            new.append(int(token[0]))
-            text = tokenizer.decode(new)
-            if text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
-                continue
-            sys.stdout.write(text[len(shown):])
-            sys.stdout.flush()
-            shown = text
+    for token in stream(model, input_ids, config, tokenizer=tokenizer):
+        new.append(int(token[0]))
+        text = tokenizer.decode(new)
+        if text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
+            continue
+        sys.stdout.write(text[len(shown):])
+        sys.stdout.flush()
+        shown = text
     text = tokenizer.decode(new)
     sys.stdout.write(text[len(shown):] + "\n")
     sys.stdout.flush()
     return text
 
 
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
-
-
 def generate(args: argparse.Namespace) -> int:
     if args.num_samples < 1:
         raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
-    model, _ = load_model(args.checkpoint)
+    model, _ = load_model(args.checkpoint, dtype=_DTYPES[args.precision])
     tokenizer = load_tokenizer(args.checkpoint)
     for i in range(args.num_samples):
         if args.num_samples > 1:
@@ -102,20 +94,19 @@ def generate(args: argparse.Namespace) -> int:
                              do_sample=not args.greedy and args.temperature > 0, top_k=args.top_k,
                              top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                              stop_strings=list(args.stop), eos_token_id=tokenizer.eos_id, seed=seed)
-        _stream_text(model, tokenizer, args.prompt, config, args.precision)
+        _stream_text(model, tokenizer, args.prompt, config)
     return 0
 
 
 def evaluate(args: argparse.Namespace) -> int:
     from ..data.text import TextDataset
     from ..tasks import LMTask
-    from ..training import autocast
 
     ckpt = resolve_checkpoint(args.checkpoint)
     config = read_config(ckpt)
     if config.get("task", "lm") != "lm":
         raise ConfigError(f"evaluate supports task 'lm' so far, the checkpoint is {config.get('task')!r}")
-    model, _ = load_model(ckpt)
+    model, _ = load_model(ckpt, dtype=_DTYPES[args.precision])
     tokenizer = load_tokenizer(ckpt)
     data = config.get("data", {})
     path = Path(args.data or data.get("path", ""))
@@ -124,8 +115,7 @@ def evaluate(args: argparse.Namespace) -> int:
         dataset = TextDataset.prepare(path, tokenizer, tmp, val_fraction=data.get("val_fraction", 0.1))
         task = LMTask(dataset, batch_size=args.batch_size, seq_len=seq_len)
         start = time.perf_counter()
-        with autocast(args.precision):
-            metrics = task.evaluate(model, max_batches=args.batches, split=args.split)
+        metrics = task.evaluate(model, max_batches=args.batches, split=args.split)
         seconds = time.perf_counter() - start
     tokens = metrics.pop("tokens", None)
     result = {"checkpoint": str(ckpt), "data": str(path), "split": args.split, **metrics,

@@ -35,7 +35,7 @@ class TrainConfig:
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
     grad_clip: float | None = 1.0  # max global gradient norm; None = off
     label_smoothing: float = 0.0  # 0.1 in the original Transformer
-    precision: Literal["fp32", "bf16"] = "bf16"  # bf16 = autocast matmuls to bfloat16, fp32 master weights
+    precision: Literal["fp32", "bf16", "bf16-autocast"] = "bf16"  # bf16: bf16 model, fp32 master weights
     eval_every: int = 250  # steps between validation runs (0 = only at the end)
     eval_batches: int = 20  # validation batches per evaluation
     checkpoint_every: int = 500  # steps between checkpoints (0 = only at the end)

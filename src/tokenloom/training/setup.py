@@ -30,9 +30,10 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
     task, model, tokenizer, section = TASKS.get(config.task).setup(
         config.data_config, config.model, run_dir, batch_size=t.batch_size, seq_len=t.seq_len,
         label_smoothing=t.label_smoothing, eval_batches=t.eval_batches, tokenizer=tokenizer)
+    if checkpoint is not None:
+        load_weights(model, checkpoint)  # before the Trainer takes float32 masters of the weights
     trainer = Trainer(config, model, task, run_dir, tokenizer=tokenizer, model_section=section,
                       show_progress=show_progress)
     if checkpoint is not None:
-        load_weights(model, checkpoint)
         trainer.load_state(checkpoint)
     return trainer

@@ -26,14 +26,8 @@ from ..checkpoint import STATE_FILE, resolve_checkpoint, write_checkpoint
 from ..errors import CheckpointError
 from .config import RunConfig
 from .optim import create_optimizer
+from .precision import MasterWeights, autocast
 from .schedules import create_scheduler
-
-
-def autocast(precision: str, device_type: str = "cpu") -> contextlib.AbstractContextManager:
-    """bf16 autocast for ``precision == "bf16"``, else a no-op."""
-    if precision == "bf16":
-        return torch.autocast(device_type, dtype=torch.bfloat16)
-    return contextlib.nullcontext()
 
 
 class Trainer:
@@ -45,7 +39,10 @@ class Trainer:
         self.tokenizer = tokenizer
         self.model_section = model_section or dict(config.model)
         t = config.train
-        self.optimizer = create_optimizer(model, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas))
+        # bf16: the optimizer updates float32 masters; the model runs in bf16 during fit()
+        self.master = MasterWeights(model) if t.precision == "bf16" else None
+        params = self.master.masters if self.master else model
+        self.optimizer = create_optimizer(params, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas))
         self.scheduler = create_scheduler(self.optimizer, t.schedule, warmup_steps=t.warmup_steps,
                                           max_steps=t.max_steps, min_ratio=t.min_lr / t.lr)
         self.generator = torch.Generator().manual_seed(t.seed)  # the data order
@@ -80,7 +77,7 @@ class Trainer:
             }, tmp / STATE_FILE)
 
         return write_checkpoint(self.checkpoint_dir, self.model, self._config_dict(), self.tokenizer,
-                                extra=save_state)
+                                extra=save_state, state_dict=self.master.state_dict() if self.master else None)
 
     def load_state(self, checkpoint: str | Path) -> None:
         """Restore optimizer, scheduler, RNGs and step from a checkpoint (weights are loaded by the caller)."""
@@ -108,7 +105,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         was_training = self.model.training
         self.model.eval()
-        with autocast(self.config.train.precision):
+        with autocast(self.config.train.precision), torch.no_grad():
             metrics = self.task.evaluate(self.model)
         metrics.pop("tokens", None)
         self.model.train(was_training)
@@ -145,13 +142,18 @@ class Trainer:
             with autocast(t.precision):
                 loss, n = self.task.loss(self.model, batch)
             (loss / t.grad_accum_steps).backward()
+            if self.master is not None:
+                self.master.accumulate_grads()
             total_loss += loss.item() / t.grad_accum_steps
             tokens += n
+        params = self.master.masters if self.master is not None else list(self.model.parameters())
         if t.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
+            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        if self.master is not None:
+            self.master.copy_to_model()
         self.step += 1
         return total_loss, tokens
 
@@ -161,6 +163,8 @@ class Trainer:
         if t.threads:
             torch.set_num_threads(t.threads)
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        if self.master is not None:
+            self.master.to_low()
         self.model.train()
         start_step, start_time = self.step, time.perf_counter()
         bar = tqdm(total=t.max_steps, initial=self.step, disable=self.show_progress is False or None,
@@ -195,6 +199,8 @@ class Trainer:
                     stopped_by = "max_minutes"
                     break
             bar.close()
+            if self.master is not None:  # evaluate, save and hand back the model in float32
+                self.master.to_fp32()
             metrics = self.evaluate() if stopped_by != "interrupt" else dict(self.last_eval)
             self.save()
         elapsed = time.perf_counter() - start_time
