@@ -28,9 +28,36 @@ Backend = Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float, bool], t
 ATTENTION_BACKENDS: Registry[Backend] = Registry("attention backend")
 
 
+_causal_masks: dict[tuple, Tensor] = {}
+
+
+def _bf16_training_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+                             dropout_p: float) -> Tensor:
+    """softmax(q k^T / sqrt(D) + mask) v with bf16 matmuls and softmax, for bf16 training on CPU: torch's
+    CPU flash-attention backward is ~1.6x slower than autograd through these three ops (measured at
+    B=8, H=6, T=256, D=64: 28 vs 17 ms forward + backward)."""
+    if q.shape[1] != k.shape[1]:
+        rep = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+    scores = (q * (1.0 / math.sqrt(q.shape[-1]))) @ k.transpose(-2, -1)  # (B, H, Tq, Tk)
+    if is_causal and attn_mask is None:
+        tq, tk = scores.shape[-2:]
+        key = (tq, tk, q.dtype)
+        if key not in _causal_masks:
+            _causal_masks[key] = torch.full((tq, tk), float("-inf"), dtype=q.dtype).triu(tk - tq + 1)
+        attn_mask = _causal_masks[key]
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+            else scores + attn_mask.to(scores.dtype)
+    probs = F.dropout(scores.softmax(dim=-1), p=dropout_p) if dropout_p > 0 else scores.softmax(dim=-1)
+    return probs @ v
+
+
 @ATTENTION_BACKENDS.register("sdpa")
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
                    dropout_p: float, need_weights: bool) -> tuple[Tensor, None]:
+    if q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.requires_grad and torch.is_grad_enabled():
+        return _bf16_training_attention(q, k, v, attn_mask, is_causal, dropout_p), None
     gqa = q.shape[1] != k.shape[1]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                          is_causal=is_causal and attn_mask is None, enable_gqa=gqa)
