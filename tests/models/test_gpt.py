@@ -84,3 +84,12 @@ def test_overfits_one_batch():
         loss.backward()
         opt.step()
     assert loss.item() < 0.05
+
+
+def test_attention_dropout_separate_from_dropout():
+    model = small(dropout=0.1, attention_dropout=0.0)
+    block = model.blocks[0]
+    assert block.attn.dropout == 0.0 and block.resid_dropout.p == 0.1
+    assert small(dropout=0.1).blocks[0].attn.dropout == 0.1
+    with pytest.raises(ConfigError, match="attention_dropout must be in"):
+        small(attention_dropout=1.5)

@@ -58,3 +58,21 @@ def test_bad_head_counts():
         MultiHeadAttention(16, num_heads=3)
     with pytest.raises(ValueError, match="num_kv_heads=3"):
         MultiHeadAttention(16, num_heads=4, num_kv_heads=3)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_bf16_training_path_matches_float_reference(causal):
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 16, 8) for _ in range(3))
+    mask = torch.ones(16, 16, dtype=torch.bool).tril() if causal else torch.rand(2, 1, 16, 16) > 0.3
+    if not causal:
+        mask[..., 0] = True
+    expected = reference(q, k, v, mask)
+    qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))
+    out, _ = ATTENTION_BACKENDS.get("sdpa")(qb, kb, vb, None if causal else mask, causal, 0.0, False)
+    assert out.dtype == torch.bfloat16
+    assert torch.allclose(out.float(), expected, atol=3e-2)
+    out.float().sum().backward()
+    qf = q.clone().requires_grad_()
+    reference(qf, k, v, mask).sum().backward()
+    assert torch.allclose(qb.grad.float(), qf.grad, atol=5e-2)

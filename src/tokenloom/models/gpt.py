@@ -53,6 +53,8 @@ class GPTConfig:
     mlp_ratio: float = 4.0  # MLP hidden width = mlp_ratio * embed_dim
     attention: str = "sdpa"  # attention backend: sdpa (fused) | math (explicit, can return weights)
     dropout: float = 0.0  # dropout on embeddings, attention probabilities and residual branches
+    attention_dropout: float | None = None  # dropout on attention probabilities; None = dropout (on CPU the
+    #   random masks over (B, H, T, T) probabilities can cost a third of a training step)
     bias: bool = True  # biases in linear and norm layers
     tie_embeddings: bool = True  # output projection shares the token embedding matrix
     gradient_checkpointing: bool = False  # recompute block activations in backward to save memory
@@ -69,6 +71,8 @@ class GPTConfig:
             check(self.num_kv_heads >= 1 and self.num_heads % self.num_kv_heads == 0,
                   f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
         check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
+        check(self.attention_dropout is None or 0.0 <= self.attention_dropout < 1.0,
+              f"attention_dropout must be in [0, 1), got {self.attention_dropout}")
         check(self.mlp_ratio > 0, f"mlp_ratio must be positive, got {self.mlp_ratio}")
         check_choice("position", self.position, POSITIONS)
         check_choice("norm", self.norm, NORMS)
@@ -124,7 +128,7 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(
             create_block(c.norm_placement, c.embed_dim, c.num_heads, c.num_kv_heads,
                          hidden_dim=int(c.mlp_ratio * c.embed_dim), mlp=c.mlp, norm=c.norm, attention=c.attention,
-                         dropout=c.dropout, bias=c.bias, norm_eps=c.norm_eps)
+                         dropout=c.dropout, bias=c.bias, norm_eps=c.norm_eps, attention_dropout=c.attention_dropout)
             for _ in range(c.num_layers))
         # post-norm blocks end in a norm already; pre-norm needs one before the head
         self.final_norm = create_norm(c.norm, c.embed_dim, bias=c.bias, eps=c.norm_eps) \
