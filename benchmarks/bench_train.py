@@ -10,7 +10,7 @@ load from other processes; the mean is printed too). Variants take turns across 
     python benchmarks/bench_train.py --shapes small --timed-steps 50 --out train.json
     python benchmarks/bench_train.py --loss-curve 500         # bf16 vs fp32 loss on Tiny Shakespeare
 
-``--loss-curve N`` trains tokenloom in fp32 and under bf16 autocast from the same init on the same
+``--loss-curve N`` trains tokenloom in fp32 and in bf16 (float32 master weights) from the same init on the same
 batches of real char-level text (medium shape) and prints the validation loss at N/4, N/2 and N.
 """
 
@@ -34,6 +34,7 @@ from torch.nn import functional as F
 
 from tokenloom.interop import to_hf_gpt2
 from tokenloom.models.gpt import GPT, GPTConfig
+from tokenloom.training.precision import MasterWeights
 
 SHAPES: dict[str, dict] = {
     "small": dict(num_layers=4, embed_dim=128, num_heads=4, max_seq_len=64, batch_size=12, timed_steps=20),
@@ -53,28 +54,48 @@ def autocast(bf16: bool) -> contextlib.AbstractContextManager:
     return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
+def make_step(model: nn.Module, is_hf: bool, precision: str, lr: float = 3e-4) -> Callable[[Tensor, Tensor], Tensor]:
+    """One training step in ``precision``: ``fp32``, ``bf16-autocast`` (torch.autocast), or ``bf16``
+    (tokenloom's default: a bf16 model with float32 master weights, as the Trainer does it)."""
+    forward = logits_fn(model, is_hf)
+    master = MasterWeights(model) if precision == "bf16" else None
+    opt = torch.optim.AdamW(master.masters if master else model.parameters(), lr=lr)
+    if master:
+        master.to_low()
+
+    def step(x: Tensor, y: Tensor) -> Tensor:
+        with autocast(precision == "bf16-autocast"):
+            logits = forward(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        loss.backward()
+        if master:
+            master.accumulate_grads()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if master:
+            master.copy_to_model()
+        return loss
+
+    step.master = master  # type: ignore[attr-defined]
+    return step
+
+
 def logits_fn(model: nn.Module, is_hf: bool) -> Callable[[Tensor], Tensor]:
     if is_hf:
         return lambda ids: model(input_ids=ids, use_cache=False).logits
     return model
 
 
-def train_steps(model: nn.Module, is_hf: bool, bf16: bool, batches: list[tuple[Tensor, Tensor]],
+def train_steps(model: nn.Module, is_hf: bool, precision: str, batches: list[tuple[Tensor, Tensor]],
                 warmup: int) -> tuple[list[float], float]:
     """Train on ``batches``; return (seconds of each step after ``warmup``, last loss)."""
     model.train()
-    forward = logits_fn(model, is_hf)
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    train_step = make_step(model, is_hf, precision)
     seconds = []
     loss = torch.zeros(())
     for step, (x, y) in enumerate(batches):
         start = time.perf_counter()
-        with autocast(bf16):
-            logits = forward(x)
-            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        loss = train_step(x, y)
         if step >= warmup:
             seconds.append(time.perf_counter() - start)
     return seconds, float(loss.detach())
@@ -89,11 +110,12 @@ def random_batches(n: int, batch_size: int, seq_len: int, seed: int) -> list[tup
     return out
 
 
-VARIANTS = [  # (label, is_hf, bf16)
-    ("HF fp32", True, False),
-    ("tokenloom fp32", False, False),
-    ("tokenloom bf16", False, True),
-    ("HF bf16", True, True),
+VARIANTS = [  # (label, is_hf, precision)
+    ("HF fp32", True, "fp32"),
+    ("tokenloom fp32", False, "fp32"),
+    ("tokenloom bf16", False, "bf16"),
+    ("tokenloom bf16-autocast", False, "bf16-autocast"),
+    ("HF bf16-autocast", True, "bf16-autocast"),
 ]
 
 
@@ -108,9 +130,9 @@ def bench_shape(shape: str, warmup: int, timed: int, repeats: int, seed: int) ->
     steps: dict[str, list[float]] = {label: [] for label, _, _ in VARIANTS}
     losses: dict[str, float] = {}
     for _ in range(repeats):  # variants take turns, so a burst of load from elsewhere hits them alike
-        for label, is_hf, bf16 in VARIANTS:
+        for label, is_hf, precision in VARIANTS:
             model = to_hf_gpt2(copy.deepcopy(base)) if is_hf else copy.deepcopy(base)
-            seconds, losses[label] = train_steps(model, is_hf, bf16, batches, warmup)
+            seconds, losses[label] = train_steps(model, is_hf, precision, batches, warmup)
             steps[label] += seconds
             del model
             print(f"  {shape:<7} {label:<15} {step_tokens / statistics.median(seconds):>10.0f} tok/s "
@@ -177,26 +199,26 @@ def loss_curve(steps: int, data_path: Path, seed: int) -> dict:
     torch.manual_seed(seed)
     init = GPT(model_config("medium", vocab_size=vocab))
     result: dict = {"steps": steps, "checkpoints": checkpoints, "runs": {}}
-    for label, bf16 in (("fp32", False), ("bf16", True)):
+    for label in ("fp32", "bf16"):
         model = copy.deepcopy(init)
         model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4)
+        train_step = make_step(model, False, label)
         curve = []
         train_seconds = 0.0
         for step in range(1, steps + 1):
             x, y = windows(train, train_starts[step - 1], T)
             start = time.perf_counter()
-            with autocast(bf16):
-                logits = model(x)
-                loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1))
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
+            loss = train_step(x, y)
             train_seconds += time.perf_counter() - start
             if step in checkpoints:
+                master = train_step.master
+                if master:
+                    master.to_fp32()  # evaluate the float32 master weights
                 point = dict(step=step, train_loss=float(loss.detach()),
                              val_loss_fp32=eval_loss(model, val, False),
                              val_loss_bf16=eval_loss(model, val, True))
+                if master:
+                    master.to_low()
                 curve.append(point)
                 print(f"  {label} step {step}: val loss (fp32 eval) {point['val_loss_fp32']:.4f}",
                       file=sys.stderr, flush=True)

@@ -17,16 +17,6 @@ CORPUS = Path(__file__).resolve().parents[2] / "data" / "tinyshakespeare" / "inp
 
 
 @pytest.fixture(scope="module")
-def corpus() -> str:
-    return CORPUS.read_text(encoding="utf-8")
-
-
-@pytest.fixture(scope="module")
-def char_tok(corpus: str) -> Tokenizer:
-    return create_tokenizer("char", corpus)
-
-
-@pytest.fixture(scope="module")
 def shakespeare(char_tok: Tokenizer, tmp_path_factory: pytest.TempPathFactory) -> TextDataset:
     return TextDataset.prepare(CORPUS, char_tok, tmp_path_factory.mktemp("shakespeare"))
 

@@ -20,16 +20,6 @@ TRICKY = "a\n\nb\n c\n\t\nd \n e\n\n\n  f\ng\nh'\n's\n7\n8!\n?\n\u00a0\nx\u2028\
 
 
 @pytest.fixture(scope="module")
-def corpus() -> str:
-    return CORPUS.read_text(encoding="utf-8")
-
-
-@pytest.fixture(scope="module")
-def char_tok(corpus: str) -> Tokenizer:
-    return create_tokenizer("char", corpus)
-
-
-@pytest.fixture(scope="module")
 def bpe_tok(corpus: str) -> Tokenizer:
     return create_tokenizer("bpe", corpus[:200_000] + UNICODE_TEXT, vocab_size=400)
 

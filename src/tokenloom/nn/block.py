@@ -56,6 +56,11 @@ class _Block(nn.Module):
         self.norm2 = create_norm(norm, embed_dim, bias=bias, eps=norm_eps)
         self.resid_dropout = nn.Dropout(dropout)
 
+    def _inference_parts(self, kv: Tensor) -> tuple[Callable, Callable, Callable, Callable]:
+        """(attention step over ``kv``, norm1, norm2, mlp) as plain functions for a decode step."""
+        return (self.attn.inference_step(kv), inference_function(self.norm1), inference_function(self.norm2),
+                inference_function(self.mlp))
+
 
 @BLOCKS.register("pre")
 class PreNormBlock(_Block):
@@ -71,8 +76,7 @@ class PreNormBlock(_Block):
     def inference_step(self, kv: Tensor) -> StepFunction | None:
         if self.cross_attn is not None:
             return None
-        attn = self.attn.inference_step(kv)
-        norm1, norm2, mlp = inference_function(self.norm1), inference_function(self.norm2), inference_function(self.mlp)
+        attn, norm1, norm2, mlp = self._inference_parts(kv)
 
         def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: Rope) -> Tensor:
             x = x + attn(norm1(x), pos, attn_mask, rope)
@@ -95,8 +99,7 @@ class PostNormBlock(_Block):
     def inference_step(self, kv: Tensor) -> StepFunction | None:
         if self.cross_attn is not None:
             return None
-        attn = self.attn.inference_step(kv)
-        norm1, norm2, mlp = inference_function(self.norm1), inference_function(self.norm2), inference_function(self.mlp)
+        attn, norm1, norm2, mlp = self._inference_parts(kv)
 
         def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: Rope) -> Tensor:
             x = norm1(x + attn(x, pos, attn_mask, rope))
