@@ -57,6 +57,13 @@ def test_generate_num_samples_and_stop(trained, capsys):
     assert first.rstrip("\n").count("\n") == 0  # stopped at the first newline
 
 
+def test_generate_beyond_the_context_slides_a_window(trained, capsys):
+    assert main(["generate", str(trained / "run"), "--prompt", "ROMEO:", "--max-new-tokens", "150",
+                 "--seed", "2"]) == 0
+    out = capsys.readouterr().out
+    assert len(out) == len("ROMEO:") + 150 + 1  # the model's context is 64; char-level: one token a char
+
+
 def test_evaluate_reports_loss_and_speed(trained, capsys):
     assert main(["evaluate", str(trained / "run"), "--json", "--batches", "2"]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -74,7 +81,7 @@ def test_resume_continues(trained, tmp_path, capsys):
 
 @pytest.mark.parametrize("args, message", [
     (["generate", "{run}", "--prompt", "ROMEO: \u00e9\u20ac"], "characters outside the vocabulary: '\u00e9', '\u20ac'"),
-    (["generate", "{run}", "--max-new-tokens", "500"], "context of 64"),
+    (["generate", "{run}", "--prompt", "ROMEO: " * 10], "leaves no room in the model's context of 64"),
     (["generate", "{root}/nowhere"], "checkpoint not found"),
     (["train", "{root}/recipe.yaml", "--out", "{run}"], "already holds a checkpoint"),
     (["train", "{root}/recipe.yaml", "--out", "{root}/x", "--set", "train.max_stpes=3"], "did you mean 'max_steps'"),

@@ -56,25 +56,47 @@ def _gen_config(**kwargs):
 
 
 def _stream_text(model, tokenizer, prompt: str, config) -> str:
-    """Print ``prompt`` and its continuation as the tokens arrive; returns the continuation."""
+    """Print ``prompt`` and its continuation as the tokens arrive; returns the continuation.
+
+    Sliding window: when the prompt plus ``max_new_tokens`` exceeds the model's context, text is
+    generated in chunks; once the context is full, the last half of it becomes the prompt of the next
+    chunk (its cache is rebuilt), so earlier text falls out of view. A stop string that straddles two
+    chunks is not seen.
+    """
+    from dataclasses import replace
+
     from ..generation import stream
 
     ids = tokenizer.encode(prompt)
     if not ids:
         raise GenerationError("the prompt is empty after tokenization")
-    input_ids = torch.tensor([ids])
+    context = model.config.max_seq_len
+    if len(ids) >= context:
+        raise GenerationError(f"prompt of {len(ids)} tokens leaves no room in the model's context of {context}")
     sys.stdout.write(prompt)
     sys.stdout.flush()
     new: list[int] = []
     shown = ""
-    for token in stream(model, input_ids, config, tokenizer=tokenizer):
-        new.append(int(token[0]))
-        text = tokenizer.decode(new)
-        if text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
-            continue
-        sys.stdout.write(text[len(shown):])
-        sys.stdout.flush()
-        shown = text
+    remaining, window, chunk = config.max_new_tokens, ids, 0
+    while remaining > 0:
+        steps = min(remaining, context - len(window))
+        seed = None if config.seed is None else config.seed + chunk
+        produced = 0
+        for token in stream(model, torch.tensor([window]), replace(config, max_new_tokens=steps, seed=seed),
+                            tokenizer=tokenizer):
+            new.append(int(token[0]))
+            produced += 1
+            text = tokenizer.decode(new)
+            if text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
+                continue
+            sys.stdout.write(text[len(shown):])
+            sys.stdout.flush()
+            shown = text
+        remaining -= produced
+        if produced < steps:  # EOS or a stop string ended it
+            break
+        window = (ids + new)[-(context // 2):]
+        chunk += 1
     text = tokenizer.decode(new)
     sys.stdout.write(text[len(shown):] + "\n")
     sys.stdout.flush()
