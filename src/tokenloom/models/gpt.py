@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from functools import partial
 from typing import NamedTuple
 
@@ -270,9 +270,6 @@ class GPT(nn.Module):
                                           cache=cache)
         plan = cache.plan if cache is not None and hidden.shape[1] == 1 else None
         return plan.head(hidden) if plan else self.forward_head(hidden)
-
-    def with_config(self, **overrides) -> GPTConfig:
-        return replace(self.config, **overrides)
 
 
 MODELS.register("gpt")((GPTConfig, GPT))

@@ -22,24 +22,24 @@ def _warmup(step: int, warmup_steps: int) -> float | None:
     return (step + 1) / warmup_steps if step < warmup_steps else None
 
 
+def _decay_progress(step: int, warmup_steps: int, max_steps: int) -> float:
+    """0 at the end of warmup, 1 at ``max_steps`` (and after)."""
+    return min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
+
+
 @SCHEDULES.register("cosine")
 def cosine(step: int, *, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
     """Warmup, then half a cosine from 1 down to ``min_ratio`` at ``max_steps``."""
     w = _warmup(step, warmup_steps)
-    if w is not None:
-        return w
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+    progress = _decay_progress(step, warmup_steps, max_steps)
+    return w if w is not None else min_ratio + (1 - min_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 @SCHEDULES.register("linear")
 def linear(step: int, *, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
     """Warmup, then a straight line from 1 down to ``min_ratio`` at ``max_steps``."""
     w = _warmup(step, warmup_steps)
-    if w is not None:
-        return w
-    progress = min(1.0, (step - warmup_steps) / max(1, max_steps - warmup_steps))
-    return 1 - (1 - min_ratio) * progress
+    return w if w is not None else 1 - (1 - min_ratio) * _decay_progress(step, warmup_steps, max_steps)
 
 
 @SCHEDULES.register("constant")
