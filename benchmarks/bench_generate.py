@@ -1,6 +1,6 @@
 """Greedy generation speed: tokenloom vs Hugging Face GPT2LMHeadModel with identical weights.
 
-The HF model is built from the tokenloom one with ``tokenloom.interop.to_hf_gpt2`` (HF's default
+The HF model is built from the tokenloom one with ``tokenloom.interop.to_hf`` (HF's default
 attention, sdpa), so both compute the same function and the generated tokens should agree.
 Each run is timed after one untimed run of the same length (the first pass over every sequence length
 is slower). Reported per (shape, batch size): ms per generated token (wall time / new tokens, prefill
@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from tokenloom.interop import to_hf_gpt2
+from tokenloom.interop import to_hf
 from tokenloom.models.gpt import GPT, GPTConfig
 
 PROMPT_LEN = 16
@@ -166,7 +166,7 @@ def bench(args: argparse.Namespace) -> dict:
     for shape in args.shapes.split(","):
         torch.manual_seed(args.seed)
         model = GPT(SHAPES[shape]()).eval()
-        hf = to_hf_gpt2(model).eval()
+        hf = to_hf(model).eval()
         variants = {}
         if args.bf16:
             variants["bf16 weights"] = (copy.deepcopy(model).to(torch.bfloat16), False)

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from tokenloom.interop import to_hf_gpt2
+from tokenloom.interop import to_hf
 from tokenloom.models.gpt import GPT, GPTConfig
 from tokenloom.training.precision import MasterWeights
 
@@ -131,7 +131,7 @@ def bench_shape(shape: str, warmup: int, timed: int, repeats: int, seed: int) ->
     losses: dict[str, float] = {}
     for _ in range(repeats):  # variants take turns, so a burst of load from elsewhere hits them alike
         for label, is_hf, precision in VARIANTS:
-            model = to_hf_gpt2(copy.deepcopy(base)) if is_hf else copy.deepcopy(base)
+            model = to_hf(copy.deepcopy(base)) if is_hf else copy.deepcopy(base)
             seconds, losses[label] = train_steps(model, is_hf, precision, batches, warmup)
             steps[label] += seconds
             del model

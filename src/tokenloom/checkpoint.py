@@ -56,14 +56,14 @@ def _state_dict_for_saving(state: dict[str, torch.Tensor]) -> dict[str, torch.Te
     return out
 
 
-def write_checkpoint(directory: str | Path, model: nn.Module, config: dict[str, Any], tokenizer: Any = None,
+def write_checkpoint(directory: str | Path, model: nn.Module | None, config: dict[str, Any], tokenizer: Any = None,
                      extra: Callable[[Path], None] | None = None, dtype: torch.dtype | None = None,
                      state_dict: dict[str, torch.Tensor] | None = None) -> Path:
     """Write a complete checkpoint to ``directory`` atomically (temp dir + renames).
 
     ``extra(tmp_dir)`` may add files (the trainer's state) before the swap. ``dtype`` stores floating
     weights in another precision (e.g. bf16 for a small bundled checkpoint). ``state_dict`` replaces
-    the model's own (the trainer's float32 master weights).
+    the model's own (the trainer's float32 master weights); ``model`` may then be None.
     """
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
@@ -123,15 +123,21 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
         state = load_file(str(weights))
     except (SafetensorError, OSError, ValueError) as err:
         raise CheckpointError(f"{weights} is truncated or corrupt ({str(err).splitlines()[0]})") from None
+    load_state(model, state, str(weights))
+
+
+def load_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+    """Copy ``state`` into ``model``'s tensors (casting to their dtype), after checking that the names
+    match (tied copies may be left out) and every shape agrees; errors name ``source``."""
     expected = model.state_dict()
     missing = [k for k in expected if k not in state and not _is_tied(model, k, state)]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
-        raise CheckpointError(f"{weights} does not match its config: missing {missing[:3]}, "
+        raise CheckpointError(f"{source} does not match its config: missing {missing[:3]}, "
                               f"unexpected {unexpected[:3]}")
     for name, tensor in state.items():
         if tensor.shape != expected[name].shape:
-            raise CheckpointError(f"{weights}: {name} has shape {tuple(tensor.shape)}, the config needs "
+            raise CheckpointError(f"{source}: {name} has shape {tuple(tensor.shape)}, the config needs "
                                   f"{tuple(expected[name].shape)}")
     with torch.no_grad():
         for name, tensor in state.items():
@@ -148,6 +154,10 @@ def _is_tied(model: nn.Module, name: str, state: dict[str, torch.Tensor]) -> boo
 
 
 def load_tokenizer(path: str | Path):
+    """The checkpoint's tokenizer, with the end-of-text token its config names (``tokenizer.eos_token``)."""
     from .data.tokenizers import Tokenizer
 
-    return Tokenizer.from_file(resolve_checkpoint(path) / TOKENIZER_FILE)
+    ckpt = resolve_checkpoint(path)
+    section = read_config(ckpt).get("tokenizer") or {}
+    eos = section.get("eos_token") if isinstance(section, dict) else None
+    return Tokenizer.from_file(ckpt / TOKENIZER_FILE, eos_token=eos)

@@ -13,6 +13,7 @@ field, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import re
 import types
 import typing
 from pathlib import Path
@@ -35,6 +36,9 @@ def _type_name(tp: Any) -> str:
     if tp is type(None):
         return "null"
     return getattr(tp, "__name__", str(tp))
+
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
 def _coerce(value: Any, tp: Any, where: str) -> Any:
@@ -80,6 +84,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
     elif tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):  # YAML 1.1 reads 1e-4 as a string
             return float(value)
     elif tp is str:
         if isinstance(value, str):

@@ -5,13 +5,13 @@ from tokenloom import GPT, GPTConfig
 from tokenloom.checkpoint import load_model, load_tokenizer, read_config, resolve_checkpoint, write_checkpoint
 from tokenloom.data import create_tokenizer
 from tokenloom.errors import CheckpointError
+from tokenloom.models.factory import model_config_to_dict
 
 
 def make(tmp_path, **kw):
     model = GPT(GPTConfig(vocab_size=30, num_layers=2, num_heads=2, embed_dim=16, max_seq_len=16, **kw)).eval()
     tok = create_tokenizer("char", "abcdefghijklmnopqrstuvwxyz .,\n")
-    config = {"task": "lm", "model": {"family": "gpt", **{k: v for k, v in vars(model.config).items()
-                                                          if k != "head_dim"}}}
+    config = {"task": "lm", "model": model_config_to_dict("gpt", model.config)}
     return model, tok, config
 
 

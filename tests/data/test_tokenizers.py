@@ -135,7 +135,7 @@ def test_corrupt_tokenizer_file(damage: str, char_tok: Tokenizer, tmp_path: Path
         path.write_bytes(b"\x00\xff not json")
     else:
         spec = json.loads(data)
-        spec["model"] = {"type": "Unigram", "unk_id": None, "vocab": [["a", 0.0]]}
+        spec["model"] = {"type": "NoSuchModel", "vocab": {"a": 0}}
         path.write_text(json.dumps(spec))
     with pytest.raises(CheckpointError) as info:
         Tokenizer.from_file(path)

@@ -14,6 +14,12 @@ def cfg(**sections):
     return data
 
 
+def test_exponent_floats_are_numbers():
+    # YAML 1.1 reads 1e-4 (no dot) as a string; float fields accept it as the number it means
+    c = load_run_config(cfg(train={"lr": "3e-4"}), ["train.min_lr=1e-5", "train.weight_decay=1E-1"])
+    assert c.train.lr == 3e-4 and c.train.min_lr == 1e-5 and c.train.weight_decay == 0.1
+
+
 def test_valid_recipe_and_overrides():
     c = load_run_config(cfg(), ["train.max_steps=7", "train.lr=0.01", "model.dropout=0.1"])
     assert c.train.max_steps == 7 and c.train.lr == 0.01 and c.model["dropout"] == 0.1

@@ -55,6 +55,14 @@ def _gen_config(**kwargs):
     return GenerationConfig(**kwargs)
 
 
+def _continuation(tokenizer, prompt: list[int], new: list[int]) -> str:
+    """The text ``new`` adds after ``prompt``: decoded together, so tokenizers whose decoding depends on
+    the position (SentencePiece-style ones drop a leading space at the start) print it correctly."""
+    head = tokenizer.decode(prompt[-64:])
+    whole = tokenizer.decode(prompt[-64:] + new)
+    return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new)
+
+
 def _stream_text(model, tokenizer, prompt: str, config) -> str:
     """Print ``prompt`` and its continuation as the tokens arrive; returns the continuation.
 
@@ -86,7 +94,7 @@ def _stream_text(model, tokenizer, prompt: str, config) -> str:
                             tokenizer=tokenizer):
             new.append(int(token[0]))
             produced += 1
-            text = tokenizer.decode(new)
+            text = _continuation(tokenizer, ids, new)
             if text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
                 continue
             sys.stdout.write(text[len(shown):])
@@ -97,7 +105,7 @@ def _stream_text(model, tokenizer, prompt: str, config) -> str:
             break
         window = (ids + new)[-(context // 2):]
         chunk += 1
-    text = tokenizer.decode(new)
+    text = _continuation(tokenizer, ids, new)
     sys.stdout.write(text[len(shown):] + "\n")
     sys.stdout.flush()
     return text
@@ -150,4 +158,29 @@ def evaluate(args: argparse.Namespace) -> int:
     else:
         for key, value in result.items():
             print(f"{key:>14}: {value:.4f}" if isinstance(value, float) else f"{key:>14}: {value}")
+    return 0
+
+
+def _dtype(name: str | None):
+    return None if name is None else getattr(torch, name)
+
+
+def import_(args: argparse.Namespace) -> int:
+    from ..interop import import_hf
+
+    out = import_hf(args.source, args.out, dtype=_dtype(args.dtype), force=args.force)
+    model_config = read_config(out)["model"]
+    print(f"imported {args.source} -> {out} ({model_config.get('num_layers')} layers, "
+          f"embed_dim {model_config.get('embed_dim')}, vocab {model_config.get('vocab_size')}"
+          f"{', with tokenizer' if (out / 'tokenizer.json').is_file() else ', no tokenizer.json'})")
+    return 0
+
+
+def export(args: argparse.Namespace) -> int:
+    from ..interop import export_hf
+
+    out = export_hf(args.checkpoint, args.out, dtype=_dtype(args.dtype), force=args.force)
+    config = json.loads((out / "config.json").read_text())
+    print(f"exported {resolve_checkpoint(args.checkpoint)} -> {out} ({config['architectures'][0]}, "
+          f"{config['torch_dtype']})")
     return 0

@@ -1,4 +1,4 @@
-"""``tokenloom train | generate | evaluate``.
+"""``tokenloom train | generate | evaluate | import | export``.
 
 Errors a user can cause print one line (``error: ...``) and exit with status 2; Ctrl-C exits 130.
 """
@@ -56,6 +56,38 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run("evaluate"))
 
 
+_DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
+
+
+def _add_import(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("import", help="turn a Hugging Face model directory into a tokenloom checkpoint",
+                       description="Import a local Hugging Face model directory (config.json, model.safetensors "
+                                   "or pytorch_model.bin, tokenizer.json) as a tokenloom checkpoint. Supported: "
+                                   "GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM (no sliding window).")
+    p.add_argument("format", choices=["hf"], help="source format: hf (Hugging Face transformers)")
+    p.add_argument("source", help="Hugging Face model directory")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--dtype", choices=_DTYPE_CHOICES, default=None, help="store weights in this dtype "
+                   "(default: as in the source)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(func=_run("import_"))
+
+
+def _add_export(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("export", help="write a checkpoint as a Hugging Face model directory",
+                       description="Export a tokenloom checkpoint as config.json + model.safetensors (+ tokenizer "
+                                   "files) that transformers' AutoModelForCausalLM loads: the GPT-2 layout for "
+                                   "learned positions + LayerNorm + GELU, the Llama layout for RoPE + RMSNorm + "
+                                   "SwiGLU.")
+    p.add_argument("checkpoint", help="checkpoint or run directory")
+    p.add_argument("--format", choices=["hf"], default="hf", help="target format (default: hf)")
+    p.add_argument("--out", required=True, help="directory to write")
+    p.add_argument("--dtype", choices=_DTYPE_CHOICES, default=None, help="store weights in this dtype "
+                   "(default: as in the checkpoint)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(func=_run("export"))
+
+
 def _run(name: str) -> Callable[[argparse.Namespace], int]:
     def call(args: argparse.Namespace) -> int:
         from . import commands  # heavy imports (torch) only once a command runs
@@ -72,6 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_generate(sub)
     _add_evaluate(sub)
+    _add_import(sub)
+    _add_export(sub)
     return parser
 
 

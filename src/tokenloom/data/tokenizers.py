@@ -9,7 +9,12 @@ file's ``model.type`` after loading (no extra field):
   ``shakespeare_char`` (Tiny Shakespeare: 65 ids, ``'\\n'`` = 0, ``' '`` = 1). No special tokens.
 * ``bpe`` -- byte-level BPE (``ByteLevel`` pre-tokenizer without a prefix space, ``ByteLevel``
   decoder) trained locally; encodes any text and decodes it back exactly. ``eos_id`` is the id of
-  ``<|endoftext|>``.
+  ``<|endoftext|>``. Imported BPE tokenizers (GPT-2's, Llama's with byte fallback) are this kind too.
+* ``subword`` -- any other ``tokenizer.json`` model (``Unigram``, ``WordPiece``, a word-level
+  ``WordLevel``), as imported with a Hugging Face model.
+
+The end-of-text token is ``<|endoftext|>`` unless another is named (``eos_token``, e.g. ``</s>`` for
+an imported Llama; the checkpoint's ``config.yaml`` records it under ``tokenizer.eos_token``).
 
 ``TOKENIZERS`` maps the kind to a builder ``(text, vocab_size) -> Tokenizer``; use
 :func:`create_tokenizer`::
@@ -38,7 +43,7 @@ TokenizerBuilder = Callable[[str, "int | None"], "Tokenizer"]
 TOKENIZERS: Registry[TokenizerBuilder] = Registry("tokenizer")
 
 EOS_TOKEN = "<|endoftext|>"
-_MODEL_KINDS = {"WordLevel": "char", "BPE": "bpe"}  # backend model type -> kind
+_MODEL_KINDS = {"WordLevel": "char", "BPE": "bpe", "Unigram": "subword", "WordPiece": "subword"}
 _CHUNK_CHARS = 4096  # target piece length when encoding long texts in parallel
 _BATCH_CHUNKS = 512  # pieces per ``encode_batch`` call (bounds memory)
 _MAX_NAMED = 10  # characters / ids named in an error message
@@ -80,25 +85,30 @@ def split_for_encoding(text: str, chunk_chars: int = _CHUNK_CHARS) -> Iterator[s
 
 
 class Tokenizer:
-    """Text <-> token ids over a Hugging Face tokenizer (``.backend``); ``kind`` is ``char`` or ``bpe``."""
+    """Text <-> token ids over a Hugging Face tokenizer (``.backend``); ``kind`` is ``char``, ``bpe`` or
+    ``subword``. ``eos_token`` names the end-of-text token (default ``<|endoftext|>`` when it exists)."""
 
-    def __init__(self, backend: HFTokenizer, kind: str | None = None) -> None:
+    def __init__(self, backend: HFTokenizer, kind: str | None = None, eos_token: str | None = None) -> None:
         self.backend = backend
         model_type = json.loads(backend.to_str())["model"]["type"]
         inferred = _MODEL_KINDS.get(model_type)
+        if inferred == "char" and any(len(tok) != 1 for tok in backend.get_vocab(with_added_tokens=False)):
+            inferred = "subword"  # a word-level vocabulary (imported)
         if inferred is None:
-            raise CheckpointError(f"unsupported tokenizer model {model_type!r}; "
-                                  f"expected WordLevel (char) or BPE (bpe)")
+            raise CheckpointError(f"unsupported tokenizer model {model_type!r}; expected one of "
+                                  f"{', '.join(_MODEL_KINDS)}")
         if kind is not None and kind != inferred:
             raise ValueError(f"kind {kind!r} does not match the tokenizer's {model_type} model")
         self._kind = inferred
         self._vocab_size = backend.get_vocab_size(with_added_tokens=True)
-        self._eos_id = backend.token_to_id(EOS_TOKEN) if inferred == "bpe" else None
+        if eos_token is not None and backend.token_to_id(eos_token) is None:
+            raise CheckpointError(f"eos_token {eos_token!r} is not in the tokenizer's vocabulary")
+        self._eos_token = eos_token if eos_token is not None else \
+            (EOS_TOKEN if inferred != "char" and backend.token_to_id(EOS_TOKEN) is not None else None)
+        self._eos_id = None if self._eos_token is None else backend.token_to_id(self._eos_token)
         self._stoi: dict[str, int] = {}
         if inferred == "char":
             self._stoi = backend.get_vocab(with_added_tokens=False)
-            if any(len(tok) != 1 for tok in self._stoi):
-                raise CheckpointError("a char tokenizer's vocabulary must hold single characters only")
 
     # ---- building -------------------------------------------------------------------------------
 
@@ -134,8 +144,12 @@ class Tokenizer:
 
     # ---- files ----------------------------------------------------------------------------------
 
+    def with_eos(self, eos_token: str | None) -> Tokenizer:
+        """The same tokenizer with another end-of-text token."""
+        return type(self)(self.backend, self._kind, eos_token)
+
     @classmethod
-    def from_file(cls, path: str | Path) -> Tokenizer:
+    def from_file(cls, path: str | Path, eos_token: str | None = None) -> Tokenizer:
         """Load a ``tokenizer.json`` (or ``<dir>/tokenizer.json`` when ``path`` is a directory)."""
         path = Path(path)
         if path.is_dir():
@@ -148,7 +162,7 @@ class Tokenizer:
             detail = (str(err).strip().splitlines() or ["unreadable"])[0][:200]
             raise CheckpointError(f"corrupt tokenizer file {path}: {detail}") from None
         try:
-            return cls(backend)
+            return cls(backend, eos_token=eos_token)
         except CheckpointError as err:
             raise CheckpointError(f"{path}: {err}") from None
         except (KeyError, ValueError) as err:
@@ -172,7 +186,7 @@ class Tokenizer:
 
     @property
     def kind(self) -> str:
-        """``"char"`` or ``"bpe"``."""
+        """``"char"``, ``"bpe"`` or ``"subword"``."""
         return self._kind
 
     @property
@@ -182,8 +196,12 @@ class Tokenizer:
 
     @property
     def eos_id(self) -> int | None:
-        """Id of ``<|endoftext|>`` (BPE), or None (char)."""
+        """Id of the end-of-text token, or None (char tokenizers have none)."""
         return self._eos_id
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._eos_token
 
     @property
     def fingerprint(self) -> str:

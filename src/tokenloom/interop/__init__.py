@@ -1,5 +1,33 @@
-"""Import and export of Hugging Face checkpoints (``transformers`` is an optional extra, imported lazily)."""
+"""Hugging Face checkpoints in and out, with exact parity (see :mod:`tokenloom.interop.hf`).
 
-from .hf_gpt2 import from_hf_gpt2, gpt2_config_to_hf, hf_config_to_gpt, to_hf_gpt2
+``from_hf(model_or_dir)`` / ``to_hf(model)`` convert models in memory; ``import_hf(dir, out)`` /
+``export_hf(model_or_checkpoint, out)`` convert directories and need no ``transformers``. Families:
+GPT-2 (``GPT2LMHeadModel``) and Llama-style models (``LlamaForCausalLM``, ``MistralForCausalLM``).
+"""
 
-__all__ = ["from_hf_gpt2", "gpt2_config_to_hf", "hf_config_to_gpt", "to_hf_gpt2"]
+from . import gpt2, llama  # noqa: F401  (register the converters)
+from .hf import (
+    HF_CONVERTERS,
+    OPS,
+    HFConverter,
+    Rule,
+    converter_for,
+    export_hf,
+    find_converter,
+    from_hf,
+    hf_to_ours,
+    import_hf,
+    ours_to_hf,
+    per_layer,
+    read_hf_config,
+    read_hf_tokenizer,
+    read_hf_weights,
+    rule,
+    to_hf,
+)
+
+__all__ = [
+    "HF_CONVERTERS", "OPS", "HFConverter", "Rule", "converter_for", "export_hf", "find_converter", "from_hf",
+    "hf_to_ours", "import_hf", "ours_to_hf", "per_layer", "read_hf_config", "read_hf_tokenizer", "read_hf_weights",
+    "rule", "to_hf",
+]

@@ -32,7 +32,8 @@ from ..errors import ConfigError, GenerationError
 from ..nn import ATTENTION_BACKENDS, BLOCKS, MLPS, NORMS, POSITIONS, KVCache, create_block, create_norm
 from ..nn.block import StepFunction, inference_function
 from ..nn.masks import causal_mask, padding_mask, positions_from_mask
-from ..nn.positions import Position
+from ..nn.mlp import swiglu_hidden_dim
+from ..nn.positions import Position, check_rope_scaling
 from ..registry import did_you_mean
 from .registry import MODELS
 
@@ -50,7 +51,8 @@ class GPTConfig:
     norm_placement: str = "pre"  # pre (GPT-2) | post (original Transformer)
     norm_eps: float = 1e-5  # epsilon of every norm layer
     mlp: str = "gelu"  # gelu | gelu_tanh | relu | swiglu
-    mlp_ratio: float = 4.0  # MLP hidden width = mlp_ratio * embed_dim
+    mlp_ratio: float = 4.0  # MLP hidden width = mlp_ratio * embed_dim (swiglu: 2/3 of it, a multiple of 8)
+    mlp_hidden_dim: int | None = None  # exact MLP hidden width (swiglu: gate/up width); None = from mlp_ratio
     attention: str = "sdpa"  # attention backend: sdpa (fused) | math (explicit, can return weights)
     dropout: float = 0.0  # dropout on embeddings, attention probabilities and residual branches
     attention_dropout: float | None = None  # dropout on attention probabilities; None = dropout (on CPU the
@@ -59,7 +61,9 @@ class GPTConfig:
     tie_embeddings: bool = True  # output projection shares the token embedding matrix
     gradient_checkpointing: bool = False  # recompute block activations in backward to save memory
     rope_base: float = 10000.0  # RoPE frequency base
+    rope_scaling: dict | None = None  # RoPE frequency scaling, e.g. {type: linear, factor: 2.0}; also llama3, yarn
     head_dim: int = field(init=False, default=0)  # derived: embed_dim // num_heads
+    mlp_hidden: int = field(init=False, default=0)  # derived: the MLP hidden width the model builds
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "num_heads", "embed_dim", "max_seq_len"):
@@ -74,6 +78,8 @@ class GPTConfig:
         check(self.attention_dropout is None or 0.0 <= self.attention_dropout < 1.0,
               f"attention_dropout must be in [0, 1), got {self.attention_dropout}")
         check(self.mlp_ratio > 0, f"mlp_ratio must be positive, got {self.mlp_ratio}")
+        check(self.mlp_hidden_dim is None or self.mlp_hidden_dim >= 1,
+              f"mlp_hidden_dim must be a positive integer or null, got {self.mlp_hidden_dim}")
         check_choice("position", self.position, POSITIONS)
         check_choice("norm", self.norm, NORMS)
         check_choice("norm_placement", self.norm_placement, BLOCKS)
@@ -82,6 +88,15 @@ class GPTConfig:
         self.head_dim = self.embed_dim // self.num_heads
         if self.position == "rope":
             check(self.head_dim % 2 == 0, f"position 'rope' needs an even head_dim, got {self.head_dim}")
+            check_rope_scaling(self.rope_scaling)
+        else:
+            check(self.rope_scaling is None,
+                  f"rope_scaling is set but position is {self.position!r}; it applies to 'rope' only")
+        if self.mlp_hidden_dim is not None:
+            self.mlp_hidden = self.mlp_hidden_dim
+        else:
+            two_layer = int(self.mlp_ratio * self.embed_dim)
+            self.mlp_hidden = swiglu_hidden_dim(two_layer) if self.mlp == "swiglu" else two_layer
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> GPTConfig:
@@ -123,11 +138,11 @@ class GPT(nn.Module):
         self.tok_embed = nn.Embedding(c.vocab_size, c.embed_dim)
         self.position = POSITIONS.get(c.position)(
             embed_dim=c.embed_dim, num_heads=c.num_heads, head_dim=c.head_dim, max_seq_len=c.max_seq_len,
-            **({"base": c.rope_base} if c.position == "rope" else {}))
+            **({"base": c.rope_base, "scaling": c.rope_scaling} if c.position == "rope" else {}))
         self.embed_dropout = nn.Dropout(c.dropout)
         self.blocks = nn.ModuleList(
             create_block(c.norm_placement, c.embed_dim, c.num_heads, c.num_kv_heads,
-                         hidden_dim=int(c.mlp_ratio * c.embed_dim), mlp=c.mlp, norm=c.norm, attention=c.attention,
+                         hidden_dim=c.mlp_hidden, mlp=c.mlp, norm=c.norm, attention=c.attention,
                          dropout=c.dropout, bias=c.bias, norm_eps=c.norm_eps, attention_dropout=c.attention_dropout)
             for _ in range(c.num_layers))
         # post-norm blocks end in a norm already; pre-norm needs one before the head

@@ -5,10 +5,18 @@ from .block import BLOCKS, PostNormBlock, PreNormBlock, create_block
 from .kv_cache import KVCache
 from .mlp import MLPS, create_mlp
 from .norms import NORMS, LayerNorm, RMSNorm, create_norm
-from .positions import POSITIONS, Position, apply_rotary, create_position
+from .positions import (
+    POSITIONS,
+    ROPE_SCALINGS,
+    Position,
+    apply_rotary,
+    check_rope_scaling,
+    create_position,
+    rope_frequencies,
+)
 
 __all__ = [
-    "ATTENTION_BACKENDS", "BLOCKS", "MLPS", "NORMS", "POSITIONS", "KVCache", "LayerNorm", "MultiHeadAttention",
-    "Position", "PostNormBlock", "PreNormBlock", "RMSNorm", "apply_rotary", "create_block", "create_mlp",
-    "create_norm", "create_position",
+    "ATTENTION_BACKENDS", "BLOCKS", "MLPS", "NORMS", "POSITIONS", "ROPE_SCALINGS", "KVCache", "LayerNorm",
+    "MultiHeadAttention", "Position", "PostNormBlock", "PreNormBlock", "RMSNorm", "apply_rotary",
+    "check_rope_scaling", "create_block", "create_mlp", "create_norm", "create_position", "rope_frequencies",
 ]

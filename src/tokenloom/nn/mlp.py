@@ -85,12 +85,12 @@ class ReluMLP(_TwoLayerMLP):
 
 @MLPS.register("swiglu")
 class SwiGLU(nn.Module):
-    """silu(x W_gate) * (x W_up) W_down (Shazeer 2020). The hidden width is 2/3 of ``hidden_dim``
-    (rounded up to a multiple of 8) so the parameter count matches a two-layer MLP."""
+    """silu(x W_gate) * (x W_up) W_down (Shazeer 2020); ``hidden_dim`` is the gate/up width. Use
+    :func:`swiglu_hidden_dim` for the width whose parameter count matches a two-layer MLP's."""
 
     def __init__(self, embed_dim: int, hidden_dim: int, bias: bool = True, dropout: float = 0.0) -> None:
         super().__init__()
-        hidden = (2 * hidden_dim // 3 + 7) // 8 * 8
+        hidden = hidden_dim
         self.fc_gate = nn.Linear(embed_dim, hidden, bias=bias)
         self.fc_up = nn.Linear(embed_dim, hidden, bias=bias)
         self.fc_out = nn.Linear(hidden, embed_dim, bias=bias)
@@ -107,6 +107,12 @@ class SwiGLU(nn.Module):
             return F.linear(F.silu(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_out, b_out)
 
         return mlp
+
+
+def swiglu_hidden_dim(two_layer_hidden: int) -> int:
+    """2/3 of a two-layer MLP's hidden width, rounded up to a multiple of 8: three matrices of this
+    width hold as many parameters as the two-layer MLP's two."""
+    return (2 * two_layer_hidden // 3 + 7) // 8 * 8
 
 
 def create_mlp(name: str, embed_dim: int, hidden_dim: int, bias: bool = True, dropout: float = 0.0) -> nn.Module:

@@ -7,18 +7,25 @@ Two kinds of scheme:
 * applied inside attention: ``rope`` rotates queries and keys (:meth:`Position.rotary`), ``alibi`` and
   ``t5`` add a bias to the attention scores (:meth:`Position.bias`).
 
+``rope`` takes an optional frequency ``scaling`` (a plain dict such as ``{"type": "linear", "factor": 2.0}``,
+see :data:`ROPE_SCALINGS` and :func:`rope_frequencies`) that stretches a model to longer contexts; the
+computations match Hugging Face transformers' ``rope_type`` of the same name.
+
 A model calls all three hooks once per forward and hands the results to every layer; a scheme returns
 None from the hooks it does not use. Shapes: B batch, T positions, C embed_dim, H heads, D head_dim.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
+from collections.abc import Callable
 
 import torch
 from torch import Tensor, nn
 
-from ..registry import Registry
+from ..errors import ConfigError
+from ..registry import Registry, did_you_mean
 
 POSITIONS: Registry[type[Position]] = Registry("position")
 
@@ -83,19 +90,178 @@ def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+# --- RoPE frequency scaling -----------------------------------------------------------------------------------
+#
+# Each scaling is a function (inv_freq, *, head_dim, base, max_seq_len, **params) -> (inv_freq, attention_factor):
+# it turns the unscaled inverse frequencies (D/2,) into scaled ones, and returns the factor by which cos and sin
+# are multiplied. Its keyword-only parameters after ``max_seq_len`` are the parameters a ``scaling`` dict may
+# set: those without a default are required. Each mirrors the function of the same rope_type in Hugging Face
+# transformers' ``modeling_rope_utils`` (5.x) operation for operation, so the float32 results are identical.
+
+RopeScaling = Callable[..., tuple[Tensor, float]]
+ROPE_SCALINGS: Registry[RopeScaling] = Registry("rope_scaling type")
+_ROPE_CONTEXT = ("head_dim", "base", "max_seq_len")  # passed by rope_frequencies, not set in the dict
+_ROPE_BOOL_PARAMS = {"truncate"}
+_ROPE_POSITIVE_PARAMS = {"factor", "original_max_position_embeddings"}
+
+
+def _rope_pos_freqs(head_dim: int, base: float) -> Tensor:
+    """base^(2i/D) for i < D/2: the wavelengths / 2pi of unscaled RoPE, float32."""
+    return base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+
+
+@ROPE_SCALINGS.register("default")
+def _rope_default(inv_freq: Tensor, *, head_dim: int, base: float, max_seq_len: int | None) -> tuple[Tensor, float]:
+    """No scaling (Hugging Face's rope_type 'default')."""
+    return inv_freq, 1.0
+
+
+@ROPE_SCALINGS.register("linear")
+def _rope_linear(inv_freq: Tensor, *, head_dim: int, base: float, max_seq_len: int | None,
+                 factor: float) -> tuple[Tensor, float]:
+    """Position interpolation (kaiokendev; Chen et al. 2023): every frequency divided by ``factor``."""
+    return inv_freq / factor, 1.0
+
+
+@ROPE_SCALINGS.register("llama3")
+def _rope_llama3(inv_freq: Tensor, *, head_dim: int, base: float, max_seq_len: int | None, factor: float,
+                 low_freq_factor: float, high_freq_factor: float,
+                 original_max_position_embeddings: int) -> tuple[Tensor, float]:
+    """Llama 3.1: wavelengths above original_len / low_freq_factor are divided by ``factor``, those below
+    original_len / high_freq_factor kept, and those in between interpolated smoothly."""
+    old_context_len = original_max_position_embeddings
+    low_freq_wavelen = old_context_len / low_freq_factor
+    high_freq_wavelen = old_context_len / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    inv_freq_llama = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth_factor = (old_context_len / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed_inv_freq = (1 - smooth_factor) * inv_freq_llama / factor + smooth_factor * inv_freq_llama
+    is_medium_freq = ~(wavelen < high_freq_wavelen) * ~(wavelen > low_freq_wavelen)
+    return torch.where(is_medium_freq, smoothed_inv_freq, inv_freq_llama), 1.0
+
+
+@ROPE_SCALINGS.register("yarn")
+def _rope_yarn(inv_freq: Tensor, *, head_dim: int, base: float, max_seq_len: int | None, factor: float,
+               original_max_position_embeddings: int, attention_factor: float | None = None,
+               beta_fast: float | None = None, beta_slow: float | None = None, mscale: float | None = None,
+               mscale_all_dim: float | None = None, truncate: bool = True) -> tuple[Tensor, float]:
+    """YaRN (Peng et al. 2023): frequencies that rotate fewer than ``beta_slow`` times over the original context
+    are interpolated (divided by ``factor``), those rotating more than ``beta_fast`` times are kept, with a linear
+    ramp between; cos and sin are scaled by ``attention_factor`` (default 0.1 ln(factor) + 1)."""
+
+    def get_mscale(scale: float, mscale: float = 1) -> float:
+        if scale <= 1:
+            return 1.0
+        return 0.1 * mscale * math.log(scale) + 1.0
+
+    if attention_factor is None:
+        if mscale and mscale_all_dim:
+            attention_factor = float(get_mscale(factor, mscale) / get_mscale(factor, mscale_all_dim))
+        else:
+            attention_factor = get_mscale(factor)
+    beta_fast = beta_fast or 32  # like Hugging Face, 0 also means the default
+    beta_slow = beta_slow or 1
+    dim = head_dim
+
+    def find_correction_dim(num_rotations: float) -> float:
+        return (dim * math.log(original_max_position_embeddings / (num_rotations * 2 * math.pi))) / (2 * math.log(base))
+
+    low, high = find_correction_dim(beta_fast), find_correction_dim(beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001  # prevent a singularity
+    ramp = torch.clamp((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low), 0, 1)
+
+    # Recomputed rather than derived from inv_freq: Hugging Face divides by factor * pos_freqs, not inv_freq / factor.
+    pos_freqs = _rope_pos_freqs(head_dim, base)
+    inv_freq_extrapolation = 1.0 / pos_freqs
+    inv_freq_interpolation = 1.0 / (factor * pos_freqs)
+    inv_freq_extrapolation_factor = 1 - ramp
+    inv_freq = (
+        inv_freq_interpolation * (1 - inv_freq_extrapolation_factor)
+        + inv_freq_extrapolation * inv_freq_extrapolation_factor
+    )
+    return inv_freq, float(attention_factor)
+
+
+def _rope_scaling_parts(scaling: dict) -> tuple[str, RopeScaling, dict]:
+    """Validate a scaling dict: (type name, function, parameters) or ConfigError."""
+    if not isinstance(scaling, dict):
+        raise ConfigError(f"rope_scaling must be a mapping such as {{type: linear, factor: 2.0}}, got {scaling!r}")
+    params = dict(scaling)
+    kind = params.pop("type", None)
+    alias = params.pop("rope_type", None)
+    if kind is not None and alias is not None and kind != alias:
+        raise ConfigError(f"rope_scaling: 'type' {kind!r} and 'rope_type' {alias!r} disagree")
+    kind = kind if kind is not None else alias
+    if kind is None:
+        raise ConfigError(f"rope_scaling needs a 'type', one of: {', '.join(ROPE_SCALINGS.names())}")
+    fn = ROPE_SCALINGS.get(kind)  # RegistryError (a ConfigError) naming the known types
+    spec = {name: p for name, p in inspect.signature(fn).parameters.items()
+            if p.kind is p.KEYWORD_ONLY and name not in _ROPE_CONTEXT}
+    for name in params:
+        if name not in spec:
+            known = ", ".join(spec) or "none"
+            raise ConfigError(f"rope_scaling: {kind!r} has no parameter {name!r}{did_you_mean(name, spec)}; "
+                              f"its parameters: {known}")
+    missing = [name for name, p in spec.items() if p.default is p.empty and name not in params]
+    if missing:
+        raise ConfigError(f"rope_scaling: {kind!r} needs {', '.join(repr(m) for m in missing)}")
+    for name, value in params.items():
+        if value is None and spec[name].default is None:
+            continue
+        if name in _ROPE_BOOL_PARAMS:
+            if not isinstance(value, bool):
+                raise ConfigError(f"rope_scaling: {kind!r} {name} must be true or false, got {value!r}")
+        elif isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise ConfigError(f"rope_scaling: {kind!r} {name} must be a number, got {value!r}")
+        elif name in _ROPE_POSITIVE_PARAMS and value <= 0:
+            raise ConfigError(f"rope_scaling: {kind!r} {name} must be positive, got {value!r}")
+    return kind, fn, params
+
+
+def check_rope_scaling(scaling: dict | None) -> None:
+    """Raise ConfigError when ``scaling`` is not None and not a valid scaling dict (cheap: builds no tensors)."""
+    if scaling is not None:
+        _rope_scaling_parts(scaling)
+
+
+def rope_frequencies(head_dim: int, base: float = 10000.0, scaling: dict | None = None,
+                     max_seq_len: int | None = None) -> tuple[Tensor, float]:
+    """RoPE inverse frequencies (head_dim/2,) float32 and the factor cos and sin are multiplied by.
+
+    ``scaling`` is None or a dict with a ``type`` (alias ``rope_type``) from :data:`ROPE_SCALINGS` and that
+    type's parameters, e.g. ``{"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "original_max_position_embeddings": 8192}``; ConfigError on an unknown type or a missing or unknown parameter.
+    """
+    inv_freq = 1.0 / _rope_pos_freqs(head_dim, base)
+    if scaling is None:
+        return inv_freq, 1.0
+    _, fn, params = _rope_scaling_parts(scaling)
+    return fn(inv_freq, head_dim=head_dim, base=base, max_seq_len=max_seq_len, **params)
+
+
 @POSITIONS.register("rope")
 class RotaryPosition(Position):
-    """Rotary position embedding (Su et al. 2021): q·k depends on positions only through their offset."""
+    """Rotary position embedding (Su et al. 2021): q·k depends on positions only through their offset.
 
-    def __init__(self, *, head_dim: int, max_seq_len: int, base: float = 10000.0, **kwargs) -> None:
+    ``scaling``: optional frequency scaling for longer contexts, see :func:`rope_frequencies`."""
+
+    def __init__(self, *, head_dim: int, max_seq_len: int, base: float = 10000.0, scaling: dict | None = None,
+                 **kwargs) -> None:
         super().__init__(head_dim=head_dim, max_seq_len=max_seq_len, **kwargs)
         if head_dim % 2:
             raise ValueError(f"rope needs an even head_dim, got {head_dim}")
-        inv = 1.0 / base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        inv, attention_factor = rope_frequencies(head_dim, base, scaling, max_seq_len)
         angles = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * inv  # (T, D/2)
         angles = torch.cat((angles, angles), dim=-1)  # (T, D)
-        self.register_buffer("cos", angles.cos(), persistent=False)
-        self.register_buffer("sin", angles.sin(), persistent=False)
+        cos, sin = angles.cos(), angles.sin()
+        if attention_factor != 1.0:
+            cos, sin = cos * attention_factor, sin * attention_factor
+        self.register_buffer("cos", cos, persistent=False)
+        self.register_buffer("sin", sin, persistent=False)
 
     def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         return self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, T, D)

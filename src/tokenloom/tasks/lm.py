@@ -58,7 +58,10 @@ class LMTask:
         if tokenizer is None:
             tokenizer = create_tokenizer(data.tokenizer, read_text(path), data.vocab_size)
         dataset = TextDataset.prepare(path, tokenizer, Path(run_dir) / "data", val_fraction=data.val_fraction)
-        section = {**model_section, "vocab_size": tokenizer.vocab_size}
+        vocab = model_section.get("vocab_size") or tokenizer.vocab_size  # imported models may pad the vocabulary
+        check(vocab >= tokenizer.vocab_size,
+              f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer.vocab_size} ids")
+        section = {**model_section, "vocab_size": vocab}
         family, model_config = model_config_from_dict(section)
         seq_len = seq_len or model_config.max_seq_len
         check(seq_len <= model_config.max_seq_len,

@@ -44,6 +44,7 @@ class TrainConfig:
     threads: int | None = None  # torch intra-op threads; None = torch's default
     max_minutes: float | None = None  # stop (and checkpoint) after this much training time
     stop_after_steps: int | None = None  # end this run after N steps; resume later (the schedule spans max_steps)
+    init_from: str | None = None  # fine-tune: start from this checkpoint's weights, tokenizer and model settings
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_batches", "log_every"):
@@ -71,6 +72,7 @@ class RunConfig:
     model: dict[str, Any] = field(default_factory=dict)  # model family and its config fields
     data: dict[str, Any] = field(default_factory=dict)  # the task's data section
     train: TrainConfig = field(default_factory=TrainConfig)
+    tokenizer: dict[str, Any] = field(default_factory=dict)  # recorded by checkpoints: eos_token
 
     def __post_init__(self) -> None:
         check_choice("task", self.task, TASKS)

@@ -6,7 +6,8 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_tokenizer, load_weights, resolve_checkpoint
+from ..checkpoint import load_tokenizer, load_weights, read_config, resolve_checkpoint
+from ..errors import CheckpointError, ConfigError
 from ..tasks import TASKS
 from .config import RunConfig
 from .trainer import Trainer
@@ -16,24 +17,36 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
               show_progress: bool | None = None) -> Trainer:
     """Tokenizer, data, model and Trainer for ``config`` in ``run_dir``. With ``resume`` the weights,
     tokenizer, optimizer, schedule, RNG states and step come from ``run_dir``'s checkpoint, so the run
-    continues exactly where it stopped."""
+    continues exactly where it stopped. With ``train.init_from`` (fine-tuning) a fresh run starts from
+    another checkpoint's weights and tokenizer, its model settings overridden by the recipe's ``model``."""
     run_dir = Path(run_dir)
     t = config.train
     tokenizer = None
     checkpoint = None
+    model_section = config.model
     if resume:
         checkpoint = resolve_checkpoint(run_dir)
         tokenizer = load_tokenizer(checkpoint)
+    elif t.init_from:
+        checkpoint = resolve_checkpoint(t.init_from)
+        tokenizer = load_tokenizer(checkpoint)
+        model_section = {**read_config(checkpoint).get("model", {}), **config.model}
     if t.threads:
         torch.set_num_threads(t.threads)
     torch.manual_seed(t.seed)
     task, model, tokenizer, section = TASKS.get(config.task).setup(
-        config.data_config, config.model, run_dir, batch_size=t.batch_size, seq_len=t.seq_len,
+        config.data_config, model_section, run_dir, batch_size=t.batch_size, seq_len=t.seq_len,
         label_smoothing=t.label_smoothing, eval_batches=t.eval_batches, tokenizer=tokenizer)
-    if checkpoint is not None:
-        load_weights(model, checkpoint)  # before the Trainer takes float32 masters of the weights
+    if checkpoint is not None:  # before the Trainer takes float32 masters of the weights
+        try:
+            load_weights(model, checkpoint)
+        except CheckpointError as err:
+            if resume:
+                raise
+            raise ConfigError(f"train.init_from={t.init_from}: {err} (the recipe's model section may only change "
+                              f"settings that keep the weights, e.g. dropout, attention)") from None
     trainer = Trainer(config, model, task, run_dir, tokenizer=tokenizer, model_section=section,
                       show_progress=show_progress)
-    if checkpoint is not None:
+    if resume:
         trainer.load_state(checkpoint)
     return trainer

@@ -59,6 +59,8 @@ class Trainer:
     def _config_dict(self) -> dict[str, Any]:
         data = self.config.to_dict()
         data["model"] = dict(self.model_section)
+        eos = getattr(self.tokenizer, "eos_token", None)
+        data["tokenizer"] = {"eos_token": eos} if eos is not None else {}
         return data
 
     def save(self) -> Path:
