@@ -359,6 +359,7 @@ def _hf_source(model_or_dir: Any) -> tuple[dict[str, Any], dict[str, Tensor], st
     if isinstance(model_or_dir, (str, os.PathLike)):
         directory = Path(model_or_dir)
         hf_config = read_hf_config(directory)
+        find_converter(hf_config)  # an unsupported architecture is named before any weights are read
         state, name = read_hf_weights(directory)
         return hf_config, state, str(directory / name), directory
     if isinstance(model_or_dir, nn.Module) and hasattr(model_or_dir, "config"):

@@ -32,8 +32,10 @@ def _rope_from_hf(hf: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
     if rope_type == "default":
         return base, None
     scaling = {"type": rope_type, **{k: v for k, v in params.items() if k not in _ROPE_KEYS and v is not None}}
-    if rope_type in ("llama3", "yarn"):
+    if rope_type in ("llama3", "yarn"):  # transformers' defaults for these two
         scaling.setdefault("original_max_position_embeddings", hf["max_position_embeddings"])
+    if rope_type == "yarn" and "factor" not in scaling:
+        scaling["factor"] = hf["max_position_embeddings"] / scaling["original_max_position_embeddings"]
     return base, scaling
 
 
