@@ -205,3 +205,19 @@ def test_bad_ids_and_empty_prompt():
 def test_bad_config_is_a_config_error():
     with pytest.raises(ConfigError, match=r"top_p must be in \(0, 1\] or None, got 1.5"):
         GenerationConfig(top_p=1.5)
+
+
+def test_ids_past_the_tokenizer_vocabulary_are_never_generated():
+    """Imported models often pad the vocabulary past the tokenizer's; those ids have no text."""
+
+    class Small(Letters):
+        vocab_size = 10
+
+    model = small_model(vocab_size=40)
+    ids = torch.tensor([[1, 2, 3]])
+    with torch.no_grad():  # the model does favour padded ids here, so the limit is what keeps them out
+        free = generate(model, ids, GenerationConfig(max_new_tokens=20, do_sample=False))
+    assert (free[0, 3:] >= 10).any()
+    for config in (GenerationConfig(max_new_tokens=20, do_sample=False), GenerationConfig(max_new_tokens=20, seed=0)):
+        out = generate(model, ids, config, tokenizer=Small())
+        assert (out[0, 3:] < 10).all()

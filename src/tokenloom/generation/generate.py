@@ -109,6 +109,9 @@ class _Decoding:
         self.columns = self.sequences[:, T:].split(1, dim=1)  # n x (B, 1)
         self.yielded = self.sequences[:, T:].unbind(1)  # n x (B,)
         self.processors = create_processors(config)
+        # a model whose vocabulary is padded past its tokenizer's (common in imports) never emits those ids
+        known = getattr(tokenizer, "vocab_size", None)
+        self.vocab_limit = known if isinstance(known, int) and vocab is not None and known < vocab else None
         self.generator = None
         if not config.greedy and config.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(config.seed)
@@ -160,6 +163,8 @@ class _Decoding:
                         scores = scores.float()
                     if processors:
                         scores = processors(sequences[:, :T + t], scores)
+                    if self.vocab_limit is not None:
+                        scores[:, self.vocab_limit:] = float("-inf")
                     if greedy:
                         tokens = scores.argmax(-1, keepdim=True)  # (B, 1)
                     else:
