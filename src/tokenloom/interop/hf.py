@@ -278,7 +278,12 @@ def _load_safetensors(path: Path) -> dict[str, Tensor]:
 def _load_pickle(path: Path) -> dict[str, Tensor]:
     """A ``pytorch_model.bin`` loaded with ``weights_only=True``: tensors only, never arbitrary code."""
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        try:
+            state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError as err:
+            if "mmap" not in str(err):  # the legacy (pre-1.6) format cannot be memory-mapped
+                raise
+            state = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as err:
         detail = str(err).strip().splitlines()
         hint = next((line for line in detail if "GLOBAL" in line or "Unsupported" in line), detail[0] if detail else "")
@@ -390,17 +395,20 @@ def from_hf(model_or_dir: Any, *, dtype: torch.dtype | None = None, **overrides:
     conv, config, state = convert_from_hf(model_or_dir, **overrides)
     model = create_model(conv.family, config)
     ref = next(iter(state.values()))
-    model.to(device=ref.device, dtype=ref.dtype if ref.is_floating_point() else None)
+    # straight to the final dtype (load_state casts the weights): buffers built in float32 at construction,
+    # like RoPE's cos/sin tables, must not pass through a lower precision on the way
+    model.to(device=ref.device, dtype=dtype or (ref.dtype if ref.is_floating_point() else None))
     load_state(model, state, "the converted weights")
-    if dtype is not None:
-        model.to(dtype)
     training = model_or_dir.training if isinstance(model_or_dir, nn.Module) else False
     return model.train(training)
 
 
 def _check_out(out: Path, force: bool) -> None:
+    """Refuse to overwrite data unless ``force``; with it, a plain file in the way is removed."""
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise CheckpointError(f"{out} already exists and is not empty; choose another --out or pass --force")
+    if force and out.exists() and not out.is_dir():
+        out.unlink()
 
 
 def import_hf(directory: str | Path, out: str | Path, *, dtype: torch.dtype | None = None,
