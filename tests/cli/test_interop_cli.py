@@ -102,3 +102,38 @@ def test_bad_input_is_one_line(runs, tmp_path, capsys, args, message):
     assert main(args) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: ") and message in err and "\n" not in err
+
+
+def test_import_llama_with_sentencepiece_tokenizer(tmp_path, capsys):
+    """A Llama directory as the hub ships it: SentencePiece-style BPE (metaspace, byte fallback, BOS added by
+    the post-processor), eos in config.json. ``tokenloom generate`` prints what transformers generates."""
+    transformers = pytest.importorskip("transformers")
+    from tokenizers import SentencePieceBPETokenizer, processors
+
+    sp = SentencePieceBPETokenizer()
+    sp.train_from_iterator(TEXT.split("\n"), vocab_size=120, special_tokens=["<unk>", "<s>", "</s>"],
+                           show_progress=False)
+    sp.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        vocab_size=sp.get_vocab_size(), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, bos_token_id=1,
+        eos_token_id=2)).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    hf.save_pretrained(tmp_path / "hf")
+    sp.save(str(tmp_path / "hf" / "tokenizer.json"))
+    (tmp_path / "hf" / "tokenizer_config.json").write_text('{"tokenizer_class": "PreTrainedTokenizerFast"}')
+    assert main(["import", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "tl")]) == 0
+    assert yaml.safe_load((tmp_path / "tl" / "config.yaml").read_text())["tokenizer"] == {"eos_token": "</s>"}
+
+    hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path / "hf")
+    ids = hf_tok("But soft", return_tensors="pt").input_ids
+    assert ids[0, 0] == 1  # BOS from the post-processor
+    out = hf.generate(ids, max_new_tokens=12, do_sample=False, eos_token_id=None, pad_token_id=0)
+    expected = hf_tok.decode(out[0, ids.shape[1]:])
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "tl"), "--prompt", "But soft", "--greedy", "--max-new-tokens", "12"]) == 0
+    printed = capsys.readouterr().out
+    assert printed == "But soft" + expected + "\n"
