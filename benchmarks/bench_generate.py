@@ -1,4 +1,4 @@
-"""Greedy generation speed: tokenloom vs Hugging Face GPT2LMHeadModel with identical weights.
+"""Greedy generation speed: tokenloom vs Hugging Face (GPT2LMHeadModel, LlamaForCausalLM) with identical weights.
 
 The HF model is built from the tokenloom one with ``tokenloom.interop.to_hf`` (HF's default
 attention, sdpa), so both compute the same function and the generated tokens should agree.
@@ -41,6 +41,10 @@ PROMPT_LEN = 16
 SHAPES: dict[str, Callable[[], GPTConfig]] = {
     "tiny": lambda: GPTConfig(vocab_size=65, num_layers=4, num_heads=4, embed_dim=128, max_seq_len=512),
     "gpt2": lambda: GPTConfig.from_name("gpt2"),
+    # a Llama-style model of GPT-2-small's size (vs transformers' LlamaForCausalLM): RoPE, RMSNorm, SwiGLU, GQA
+    "llama-small": lambda: GPTConfig(vocab_size=32000, num_layers=12, num_heads=12, num_kv_heads=4, embed_dim=768,
+                                     max_seq_len=1024, position="rope", norm="rmsnorm", mlp="swiglu",
+                                     mlp_hidden_dim=2048, bias=False, tie_embeddings=False),
 }
 
 
