@@ -107,7 +107,7 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         family, model_config = model_config_from_dict(config.get("model", {}))
     except ConfigError as err:
         raise CheckpointError(f"{ckpt / CONFIG_FILE}: {err}") from None
-    model = create_model(family, model_config)
+    model = create_model(family, model_config, init=False)  # every weight is loaded next
     load_weights(model, ckpt)
     if dtype is not None:
         model.to(dtype)

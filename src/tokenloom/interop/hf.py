@@ -176,7 +176,7 @@ def _meta_state(family: str, config: Any) -> tuple[dict[str, Tensor], list[str]]
     """The model's tensors on the meta device (names and shapes, no memory, no initialisation), and the
     names a converter must cover: every tensor once, tied copies (``lm_head`` = ``tok_embed``) left out."""
     with torch.device("meta"):
-        model = create_model(family, config)
+        model = create_model(family, config, init=False)  # init on meta is slow (decompositions) and moot
     every = dict(model.named_parameters(remove_duplicate=False))
     unique = dict(model.named_parameters())
     state = model.state_dict()
@@ -393,7 +393,7 @@ def from_hf(model_or_dir: Any, *, dtype: torch.dtype | None = None, **overrides:
     the weights (``attention="math"``, ``dropout=0.1``, ``max_seq_len=...``).
     """
     conv, config, state = convert_from_hf(model_or_dir, **overrides)
-    model = create_model(conv.family, config)
+    model = create_model(conv.family, config, init=False)  # every weight is loaded next
     ref = next(iter(state.values()))
     # straight to the final dtype (load_state casts the weights): buffers built in float32 at construction,
     # like RoPE's cos/sin tables, must not pass through a lower precision on the way

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 from torch import nn
@@ -22,6 +24,30 @@ def model_config_to_dict(family: str, config: Any) -> dict[str, Any]:
     return {"family": family, **to_dict(config)}
 
 
-def create_model(family: str, config: Any) -> nn.Module:
+_INIT_FUNCTIONS = ("uniform_", "normal_", "trunc_normal_", "constant_", "zeros_", "ones_", "xavier_uniform_",
+                   "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_")
+
+
+@contextlib.contextmanager
+def _no_weight_init() -> Iterator[None]:
+    """Make ``torch.nn.init`` functions no-ops: parameters keep whatever memory they were given. Buffers
+    computed by the modules themselves (RoPE tables, masks) are still built. Not thread-safe."""
+    saved = {name: getattr(nn.init, name) for name in _INIT_FUNCTIONS}
+    try:
+        for name in _INIT_FUNCTIONS:
+            setattr(nn.init, name, lambda tensor, *args, **kwargs: tensor)
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(nn.init, name, fn)
+
+
+def create_model(family: str, config: Any, *, init: bool = True) -> nn.Module:
+    """The model of ``family`` for ``config``. ``init=False`` skips random initialisation (parameters hold
+    uninitialised memory): for weights that are about to be loaded, where initialising a large model would
+    take longer than loading it."""
     _, model_cls = MODELS.get(family)
-    return model_cls(config)
+    if init:
+        return model_cls(config)
+    with _no_weight_init():
+        return model_cls(config)
