@@ -93,3 +93,15 @@ def test_attention_dropout_separate_from_dropout():
     assert small(dropout=0.1).blocks[0].attn.dropout == 0.1
     with pytest.raises(ConfigError, match="attention_dropout must be in"):
         small(attention_dropout=1.5)
+
+
+def test_create_model_without_init_keeps_buffers_and_restores_init():
+    from torch import nn
+
+    from tokenloom.models.factory import create_model
+
+    normal = nn.init.normal_
+    config = GPTConfig(num_layers=1, num_heads=2, embed_dim=16, vocab_size=20, max_seq_len=8, position="rope")
+    model = create_model("gpt", config, init=False)
+    assert nn.init.normal_ is normal  # restored
+    assert torch.equal(model.position.cos, GPT(config).position.cos)  # buffers are built, not skipped
