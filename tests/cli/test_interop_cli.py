@@ -52,6 +52,10 @@ def test_export_import_round_trip(runs, tmp_path, capsys, name, architecture):
     for key, tensor in original.state_dict().items():
         assert torch.equal(tensor, back.state_dict()[key]), key
     assert _greedy(capsys, imported) == _greedy(capsys, runs / name)
+    # an import records no training data: evaluate asks for it, and works with it
+    assert main(["evaluate", str(imported)]) == 2
+    assert "pass --data FILE" in capsys.readouterr().err
+    assert main(["evaluate", str(imported), "--data", str(runs / "corpus.txt"), "--batches", "1"]) == 0
 
 
 def test_exported_loads_in_transformers(runs, tmp_path):

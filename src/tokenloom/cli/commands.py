@@ -138,8 +138,10 @@ def evaluate(args: argparse.Namespace) -> int:
         raise ConfigError(f"evaluate supports task 'lm' so far, the checkpoint is {config.get('task')!r}")
     model, _ = load_model(ckpt, dtype=_DTYPES[args.precision])
     tokenizer = load_tokenizer(ckpt)
-    data = config.get("data", {})
-    path = Path(args.data or data.get("path", ""))
+    data = config.get("data") or {}
+    if not args.data and not data.get("path"):
+        raise ConfigError(f"{ckpt} records no training data (an imported checkpoint?): pass --data FILE")
+    path = Path(args.data or data["path"])
     seq_len = (config.get("train") or {}).get("seq_len") or model.config.max_seq_len
     with tempfile.TemporaryDirectory(prefix="tokenloom-eval-") as tmp:
         dataset = TextDataset.prepare(path, tokenizer, tmp, val_fraction=data.get("val_fraction", 0.1))
