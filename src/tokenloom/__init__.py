@@ -2,8 +2,8 @@
 
 from .errors import TokenloomError
 from .generation import GenerationConfig, generate, stream
-from .models import GPT, GPTConfig
+from .models import GPT, EncoderDecoder, GPTConfig, Seq2SeqConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["GPT", "GPTConfig", "GenerationConfig", "TokenloomError", "__version__", "generate", "stream"]
+__all__ = ["GPT", "EncoderDecoder", "GPTConfig", "Seq2SeqConfig", "GenerationConfig", "TokenloomError", "__version__", "generate", "stream"]

@@ -117,20 +117,33 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: Tensor, *, attn_mask: Tensor | None = None, is_causal: bool = False,
                 rope: tuple[Tensor, Tensor] | None = None, kv_cache: tuple[Tensor, Tensor] | None = None,
-                cache_pos: int = 0, memory: Tensor | None = None,
+                cache_pos: int = 0, memory: Tensor | None = None, memory_kv: tuple[Tensor, Tensor] | None = None,
                 need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
         """x (B, T, C) -> (B, T, C), and the (B, H, T, Tk) probabilities when ``need_weights`` and the
         backend can give them.
 
         ``kv_cache`` is a layer's preallocated (k, v) pair, each (B, Hkv, S, D): the new keys and values
         are written at ``cache_pos`` and attention runs over positions ``[0, cache_pos + T)``.
+
+        Cross-attention takes ``memory`` (Bm, S, C) or its keys and values ``memory_kv`` computed once by
+        :meth:`memory_kv` (a decoder's cache). When ``x`` has ``B = Bm * g`` rows, each group of ``g``
+        consecutive rows (the beams of one sentence) attends to one memory row: the group is folded into
+        the query length, so the memory is never copied per beam. ``attn_mask`` is then (Bm, 1, 1, S).
         """
         B, T, C = x.shape
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
         if self.cross:
-            assert memory is not None, "cross-attention needs memory"
+            assert memory is not None or memory_kv is not None, "cross-attention needs memory"
+            k, v = memory_kv if memory_kv is not None else self.memory_kv(memory)
+            Bm = k.shape[0]
             q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-            k, v = self.kv_proj(memory).view(B, -1, 2, Hkv, D).permute(2, 0, 3, 1, 4)  # 2 x (B, Hkv, S, D)
+            if B != Bm:  # fold groups of g rows into the query length: (Bm, H, g*T, D)
+                g = B // Bm
+                q = q.view(Bm, g, H, T, D).transpose(1, 2).reshape(Bm, H, g * T, D)
+                dropout = self.dropout if self.training else 0.0
+                out, weights = self.backend(q, k, v, attn_mask, False, dropout, need_weights)
+                out = out.view(Bm, H, g, T, D).transpose(1, 2).reshape(B, H, T, D).transpose(1, 2).reshape(B, T, C)
+                return self.out_proj(out), weights
         else:
             qkv = self.qkv_proj(x).view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2Hkv, T, D)
             q, k, v = qkv.split((H, Hkv, Hkv), dim=1)
@@ -146,6 +159,12 @@ class MultiHeadAttention(nn.Module):
         out, weights = self.backend(q, k, v, attn_mask, is_causal, dropout, need_weights)
         out = out.transpose(1, 2).reshape(B, T, C)  # (B, T, H*D)
         return self.out_proj(out), weights
+
+    def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
+        """Cross-attention keys and values of ``memory`` (B, S, C): two (B, Hkv, S, D) tensors."""
+        B = memory.shape[0]
+        k, v = self.kv_proj(memory).view(B, -1, 2, self.num_kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
+        return k, v
 
     def inference_step(self, kv: Tensor) -> Callable[[Tensor, int, Tensor | None, tuple[Tensor, Tensor] | None],
                                                      Tensor]:

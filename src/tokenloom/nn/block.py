@@ -65,11 +65,12 @@ class _Block(nn.Module):
 @BLOCKS.register("pre")
 class PreNormBlock(_Block):
     def forward(self, x: Tensor, *, memory: Tensor | None = None, memory_mask: Tensor | None = None,
-                need_weights: bool = False, **attn_kwargs) -> tuple[Tensor, Tensor | None]:
+                memory_kv: tuple[Tensor, Tensor] | None = None, need_weights: bool = False,
+                **attn_kwargs) -> tuple[Tensor, Tensor | None]:
         h, weights = self.attn(self.norm1(x), need_weights=need_weights, **attn_kwargs)
         x = x + self.resid_dropout(h)
         if self.cross_attn is not None:
-            h, _ = self.cross_attn(self.norm_cross(x), memory=memory, attn_mask=memory_mask)
+            h, _ = self.cross_attn(self.norm_cross(x), memory=memory, memory_kv=memory_kv, attn_mask=memory_mask)
             x = x + self.resid_dropout(h)
         return x + self.mlp(self.norm2(x)), weights
 
@@ -88,11 +89,12 @@ class PreNormBlock(_Block):
 @BLOCKS.register("post")
 class PostNormBlock(_Block):
     def forward(self, x: Tensor, *, memory: Tensor | None = None, memory_mask: Tensor | None = None,
-                need_weights: bool = False, **attn_kwargs) -> tuple[Tensor, Tensor | None]:
+                memory_kv: tuple[Tensor, Tensor] | None = None, need_weights: bool = False,
+                **attn_kwargs) -> tuple[Tensor, Tensor | None]:
         h, weights = self.attn(x, need_weights=need_weights, **attn_kwargs)
         x = self.norm1(x + self.resid_dropout(h))
         if self.cross_attn is not None:
-            h, _ = self.cross_attn(x, memory=memory, attn_mask=memory_mask)
+            h, _ = self.cross_attn(x, memory=memory, memory_kv=memory_kv, attn_mask=memory_mask)
             x = self.norm_cross(x + self.resid_dropout(h))
         return self.norm2(x + self.mlp(x)), weights
 

@@ -285,12 +285,14 @@ def alibi_slopes(num_heads: int) -> Tensor:
 class AlibiPosition(Position):
     """Attention with linear biases: score(i, j) -= slope_h * (i - j)."""
 
-    def __init__(self, *, num_heads: int, **kwargs) -> None:
+    def __init__(self, *, num_heads: int, bidirectional: bool = False, **kwargs) -> None:
         super().__init__(num_heads=num_heads, **kwargs)
+        self.bidirectional = bidirectional  # an encoder: penalise |i - j| in both directions
         self.register_buffer("slopes", alibi_slopes(num_heads)[:, None, None], persistent=False)
 
     def bias(self, q_index: Tensor, k_index: Tensor) -> Tensor:
-        distance = (q_index[:, None] - k_index[None, :]).clamp(min=0).float()  # (Tq, Tk)
+        offset = q_index[:, None] - k_index[None, :]  # (Tq, Tk)
+        distance = (offset.abs() if self.bidirectional else offset.clamp(min=0)).float()
         return (-self.slopes * distance)[None]  # (1, H, Tq, Tk)
 
 

@@ -1,0 +1,355 @@
+"""The encoder-decoder Transformer (Vaswani et al. 2017) for translation.
+
+Shape legend: B batch, S source length, T target positions in this call, C embed_dim, V vocab_size.
+
+* ``encode(source (B, S), source_mask) -> memory (B, S, C)``: bidirectional self-attention + FFN.
+* ``decode(target (B, T), memory, source_mask) -> logits (B, T, V)``: causal self-attention,
+  cross-attention to the memory, FFN.
+* ``forward(source, target_in, source_mask)``: both, for teacher forcing.
+
+Defaults follow the paper: post-norm, sinusoidal positions, one embedding matrix shared by source,
+target and the output projection over a joint vocabulary, embeddings scaled by sqrt(C). Every nn option
+of the spine (pre-norm, RoPE, RMSNorm, SwiGLU, grouped-query attention) works here too.
+
+Decoding goes through :meth:`EncoderDecoder.decoder_for`, which encodes the sources once and returns a
+:class:`Seq2SeqDecoder`: an object with the decoder-only model protocol (``__call__(ids, positions=,
+attention_mask=, cache=)``, ``create_cache``, ``config.vocab_size``, ``config.max_seq_len``), so greedy,
+sampling and beam search from :mod:`tokenloom.generation` work unchanged. Its cache
+(:class:`Seq2SeqCache`) holds the decoder's self-attention keys and values and every layer's
+cross-attention keys and values, computed once per source sentence and shared by that sentence's beams.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from ..config import check, check_choice
+from ..errors import GenerationError
+from ..nn import ATTENTION_BACKENDS, BLOCKS, MLPS, NORMS, POSITIONS, KVCache, create_block, create_norm
+from ..nn.masks import causal_mask
+from ..nn.mlp import swiglu_hidden_dim
+from ..nn.positions import Position, check_rope_scaling
+from .registry import MODELS
+
+
+@dataclass
+class Seq2SeqConfig:
+    vocab_size: int = 8000  # joint source/target vocabulary
+    encoder_layers: int = 6
+    decoder_layers: int = 6
+    num_heads: int = 8
+    num_kv_heads: int | None = None  # grouped-query attention; None = num_heads
+    embed_dim: int = 512
+    max_source_len: int = 256  # longest source (tokens, EOS included) the encoder accepts
+    max_target_len: int = 256  # longest target (BOS + tokens + EOS) the decoder produces
+    position: str = "sinusoidal"  # sinusoidal | learned | rope | alibi | t5 | none
+    norm: str = "layernorm"  # layernorm | rmsnorm
+    norm_placement: str = "post"  # post (the original Transformer) | pre
+    norm_eps: float = 1e-5
+    mlp: str = "relu"  # relu (the paper) | gelu | gelu_tanh | swiglu
+    mlp_ratio: float = 4.0
+    mlp_hidden_dim: int | None = None  # exact MLP hidden width; None = from mlp_ratio
+    attention: str = "sdpa"  # sdpa | math
+    dropout: float = 0.1  # on embeddings and residual branches (and attention, unless attention_dropout)
+    attention_dropout: float | None = None  # None = dropout
+    bias: bool = True
+    share_embeddings: bool = True  # source and target embeddings are one matrix (joint vocabulary)
+    tie_embeddings: bool = True  # the output projection is the target embedding matrix
+    scale_embeddings: bool = True  # multiply embeddings by sqrt(embed_dim)
+    rope_base: float = 10000.0
+    rope_scaling: dict | None = None
+    pad_id: int = 0
+    bos_id: int = 1
+    eos_id: int = 2
+    gradient_checkpointing: bool = False
+    head_dim: int = field(init=False, default=0)  # derived
+    mlp_hidden: int = field(init=False, default=0)  # derived
+
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "encoder_layers", "decoder_layers", "num_heads", "embed_dim", "max_source_len",
+                     "max_target_len"):
+            value = getattr(self, name)
+            check(value >= 1, f"{name} must be a positive integer, got {value}")
+        check(self.embed_dim % self.num_heads == 0,
+              f"embed_dim={self.embed_dim} must be divisible by num_heads={self.num_heads}")
+        if self.num_kv_heads is not None:
+            check(self.num_kv_heads >= 1 and self.num_heads % self.num_kv_heads == 0,
+                  f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
+        check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
+        check(self.attention_dropout is None or 0.0 <= self.attention_dropout < 1.0,
+              f"attention_dropout must be in [0, 1), got {self.attention_dropout}")
+        check(self.mlp_ratio > 0, f"mlp_ratio must be positive, got {self.mlp_ratio}")
+        check_choice("position", self.position, POSITIONS)
+        check_choice("norm", self.norm, NORMS)
+        check_choice("norm_placement", self.norm_placement, BLOCKS)
+        check_choice("mlp", self.mlp, MLPS)
+        check_choice("attention", self.attention, ATTENTION_BACKENDS)
+        for name in ("pad_id", "bos_id", "eos_id"):
+            value = getattr(self, name)
+            check(0 <= value < self.vocab_size, f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
+        self.head_dim = self.embed_dim // self.num_heads
+        if self.position == "rope":
+            check(self.head_dim % 2 == 0, f"position 'rope' needs an even head_dim, got {self.head_dim}")
+            check_rope_scaling(self.rope_scaling)
+        else:
+            check(self.rope_scaling is None,
+                  f"rope_scaling is set but position is {self.position!r}; it applies to 'rope' only")
+        if self.mlp_hidden_dim is not None:
+            self.mlp_hidden = self.mlp_hidden_dim
+        else:
+            two_layer = int(self.mlp_ratio * self.embed_dim)
+            self.mlp_hidden = swiglu_hidden_dim(two_layer) if self.mlp == "swiglu" else two_layer
+
+    @property
+    def max_seq_len(self) -> int:
+        """The decoder's context (the decode protocol's name for it)."""
+        return self.max_target_len
+
+
+def _additive_mask(source_mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """(B, S) 1 = token, 0 = padding -> (B, 1, 1, S) additive mask (0 / the dtype's minimum)."""
+    mask = torch.zeros(source_mask.shape, dtype=dtype, device=source_mask.device)
+    mask.masked_fill_(source_mask == 0, torch.finfo(dtype).min)
+    return mask[:, None, None, :]
+
+
+class EncoderDecoder(nn.Module):
+    """Source embedding -> encoder blocks -> memory; target embedding -> decoder blocks (self-attention,
+    cross-attention, MLP) -> vocabulary logits."""
+
+    def __init__(self, config: Seq2SeqConfig) -> None:
+        super().__init__()
+        self.config = c = config
+        self.tgt_embed = nn.Embedding(c.vocab_size, c.embed_dim, padding_idx=c.pad_id)
+        self.src_embed = self.tgt_embed if c.share_embeddings else \
+            nn.Embedding(c.vocab_size, c.embed_dim, padding_idx=c.pad_id)
+        rope = {"base": c.rope_base, "scaling": c.rope_scaling} if c.position == "rope" else {}
+        both_ways = {"bidirectional": True} if c.position in ("alibi", "t5") else {}  # the encoder sees both sides
+        self.src_position = POSITIONS.get(c.position)(embed_dim=c.embed_dim, num_heads=c.num_heads,
+                                                      head_dim=c.head_dim, max_seq_len=c.max_source_len,
+                                                      **rope, **both_ways)
+        self.tgt_position = POSITIONS.get(c.position)(embed_dim=c.embed_dim, num_heads=c.num_heads,
+                                                      head_dim=c.head_dim, max_seq_len=c.max_target_len, **rope)
+        self.embed_scale = math.sqrt(c.embed_dim) if c.scale_embeddings else 1.0
+        self.embed_dropout = nn.Dropout(c.dropout)
+        common = dict(hidden_dim=c.mlp_hidden, mlp=c.mlp, norm=c.norm, attention=c.attention, dropout=c.dropout,
+                      bias=c.bias, norm_eps=c.norm_eps, attention_dropout=c.attention_dropout)
+        self.encoder = nn.ModuleList(create_block(c.norm_placement, c.embed_dim, c.num_heads, c.num_kv_heads,
+                                                  **common) for _ in range(c.encoder_layers))
+        self.decoder = nn.ModuleList(create_block(c.norm_placement, c.embed_dim, c.num_heads, c.num_kv_heads,
+                                                  cross_attention=True, **common) for _ in range(c.decoder_layers))
+        pre = c.norm_placement == "pre"  # post-norm blocks end in a norm already
+        self.encoder_norm = create_norm(c.norm, c.embed_dim, bias=c.bias, eps=c.norm_eps) if pre else nn.Identity()
+        self.decoder_norm = create_norm(c.norm, c.embed_dim, bias=c.bias, eps=c.norm_eps) if pre else nn.Identity()
+        self.lm_head = nn.Linear(c.embed_dim, c.vocab_size, bias=False)
+        self._init_weights()
+        if c.tie_embeddings:
+            self.lm_head.weight = self.tgt_embed.weight
+        self._position_bias = type(self.src_position).bias is not Position.bias
+
+    def _init_weights(self) -> None:
+        """fairseq's Transformer: Xavier-uniform linear layers, embeddings N(0, C^-1/2) (unit scale after
+        the sqrt(C) factor), a zero padding row."""
+        c = self.config
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.xavier_uniform_(module.weight)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+        std = c.embed_dim ** -0.5 if c.scale_embeddings else 0.02
+        for embed in {id(m): m for m in (self.src_embed, self.tgt_embed)}.values():
+            nn.init.normal_(embed.weight, mean=0.0, std=std)
+            with torch.no_grad():
+                embed.weight[c.pad_id].zero_()
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in self.parameters())
+
+    # ---- encoder ----------------------------------------------------------------------------------
+
+    def _embed(self, ids: Tensor, embed: nn.Embedding, position: Position, positions: Tensor) -> Tensor:
+        x = embed(ids) * self.embed_scale if self.embed_scale != 1.0 else embed(ids)
+        added = position.embed(positions)
+        if added is not None:
+            x = x + added
+        return self.embed_dropout(x) if self.training else x
+
+    def _mask_dtype(self, x: Tensor) -> torch.dtype:
+        return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") and x.device.type == "cpu" \
+            else x.dtype
+
+    def encode(self, source: Tensor, source_mask: Tensor | None = None) -> Tensor:
+        """(B, S) source ids (right-padded; ``source_mask`` 1 = token, 0 = padding) -> (B, S, C) memory."""
+        B, S = source.shape
+        if S > self.config.max_source_len:
+            raise GenerationError(f"source of {S} tokens exceeds the model's limit of {self.config.max_source_len}")
+        positions = torch.arange(S, device=source.device)[None].expand(B, S)
+        x = self._embed(source, self.src_embed, self.src_position, positions)
+        mask = None if source_mask is None or bool(source_mask.all()) else \
+            _additive_mask(source_mask, self._mask_dtype(x))
+        if self._position_bias:  # alibi / t5: a score bias over both directions
+            index = torch.arange(S, device=source.device)
+            bias = self.src_position.bias(index, index)
+            if bias is not None:
+                mask = bias.to(self._mask_dtype(x)) if mask is None else mask + bias.to(mask.dtype)
+        rope = self.src_position.rotary(positions)
+        for block in self.encoder:
+            kwargs = dict(attn_mask=mask, is_causal=False, rope=rope)
+            if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x, _ = checkpoint(block, x, use_reentrant=False, **kwargs)
+            else:
+                x, _ = block(x, **kwargs)
+        return self.encoder_norm(x)
+
+    # ---- decoder ----------------------------------------------------------------------------------
+
+    def decode(self, target: Tensor, memory: Tensor | None = None, source_mask: Tensor | None = None, *,
+               positions: Tensor | None = None, cache: Seq2SeqCache | None = None) -> Tensor:
+        """(B, T) target ids -> (B, T, V) logits, attending to ``memory`` (B, S, C) — or, with a ``cache``
+        from :meth:`Seq2SeqDecoder.create_cache`, to its precomputed cross-attention keys and values."""
+        B, T = target.shape
+        past = cache.length if cache is not None else 0
+        if past + T > self.config.max_target_len:
+            raise GenerationError(f"target of {past + T} positions exceeds the model's limit of "
+                                  f"{self.config.max_target_len}")
+        if positions is None:
+            positions = torch.arange(past, past + T, device=target.device)[None].expand(B, T)
+        x = self._embed(target, self.tgt_embed, self.tgt_position, positions)
+        dtype = self._mask_dtype(x)
+        rope = self.tgt_position.rotary(positions)
+        if cache is not None:
+            memory_mask = cache.memory_mask
+        else:
+            memory_mask = None if source_mask is None or bool(source_mask.all()) else \
+                _additive_mask(source_mask, dtype)
+        attn_mask, is_causal = self._self_attention_mask(T, past, target.device, dtype)
+        for i, block in enumerate(self.decoder):
+            kwargs = dict(attn_mask=attn_mask, is_causal=is_causal, rope=rope, memory_mask=memory_mask)
+            if cache is not None:
+                kwargs.update(kv_cache=cache.layer(i), cache_pos=past, memory_kv=cache.memory_kv[i])
+            else:
+                kwargs.update(memory=memory)
+            if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
+                x, _ = checkpoint(block, x, use_reentrant=False, **kwargs)
+            else:
+                x, _ = block(x, **kwargs)
+        if cache is not None:
+            cache.advance(T)
+        return self.lm_head(self.decoder_norm(x))
+
+    def _self_attention_mask(self, T: int, past: int, device: torch.device,
+                             dtype: torch.dtype) -> tuple[Tensor | None, bool]:
+        S = past + T
+        bias = None
+        if self._position_bias:
+            index = torch.arange(S, device=device)
+            bias = self.tgt_position.bias(index[past:], index)
+        if bias is None:
+            if T == 1:
+                return None, False
+            if past == 0:
+                return None, True
+        allowed = causal_mask(T, S, device)
+        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        return (mask if bias is None else mask + bias.to(dtype)), False
+
+    def forward(self, source: Tensor, target_in: Tensor, source_mask: Tensor | None = None) -> Tensor:
+        """Teacher forcing: (B, S) sources and (B, T) decoder inputs (BOS + target) -> (B, T, V) logits."""
+        return self.decode(target_in, self.encode(source, source_mask), source_mask)
+
+    # ---- decoding protocol ------------------------------------------------------------------------
+
+    def decoder_for(self, source: Tensor, source_mask: Tensor | None = None) -> Seq2SeqDecoder:
+        """Encode ``source`` once and return the decoder as a decoder-only model for generation."""
+        with torch.inference_mode():
+            memory = self.encode(source, source_mask)
+        return Seq2SeqDecoder(self, memory, source_mask)
+
+
+class Seq2SeqCache(KVCache):
+    """The decoder's self-attention cache plus every layer's cross-attention (k, v), each (Bm, Hkv, S, D),
+    for ``Bm`` source sentences; the cache's ``B = Bm * group`` rows are that many hypotheses per sentence.
+
+    :meth:`reorder` (beam search) may only permute rows within a sentence's group: the memory is shared.
+    """
+
+    def __init__(self, *args: Any, memory_kv: list[tuple[Tensor, Tensor]], memory_mask: Tensor | None,
+                 group: int, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.memory_kv, self.memory_mask, self.group = memory_kv, memory_mask, group
+
+    def reorder(self, index: Tensor) -> None:
+        if self.group > 1 or index.numel() != self.batch_size:
+            rows = torch.arange(index.numel(), device=index.device)
+            if not bool((index // self.group == rows // self.group).all()):
+                raise GenerationError("a Seq2SeqCache can only reorder rows within a source sentence's group")
+        super().reorder(index)
+
+
+class _DecoderConfig:
+    """The parts of a config the decoding code reads."""
+
+    def __init__(self, config: Seq2SeqConfig) -> None:
+        self.vocab_size = config.vocab_size
+        self.max_seq_len = config.max_target_len
+        self.bos_id, self.eos_id, self.pad_id = config.bos_id, config.eos_id, config.pad_id
+
+
+class Seq2SeqDecoder:
+    """An encoder-decoder's decoder bound to encoded sources, with the decoder-only model protocol."""
+
+    def __init__(self, model: EncoderDecoder, memory: Tensor, source_mask: Tensor | None) -> None:
+        self.model, self.memory, self.source_mask = model, memory, source_mask
+        self.config = _DecoderConfig(model.config)
+
+    @property
+    def training(self) -> bool:
+        return self.model.training
+
+    def train(self, mode: bool = True) -> Seq2SeqDecoder:
+        self.model.train(mode)
+        return self
+
+    def eval(self) -> Seq2SeqDecoder:
+        return self.train(False)
+
+    def parameters(self):
+        return self.model.parameters()
+
+    def create_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
+                     device: torch.device | str | None = None) -> Seq2SeqCache:
+        """A cache for ``batch_size`` rows: a multiple of the number of sources (beams per sentence)."""
+        c, memory = self.model.config, self.memory
+        Bm = memory.shape[0]
+        if batch_size % Bm:
+            raise GenerationError(f"batch of {batch_size} rows is not a multiple of the {Bm} encoded sources")
+        with torch.inference_mode():
+            memory_kv = [block.cross_attn.memory_kv(memory) for block in self.model.decoder]
+            mask = None if self.source_mask is None or bool(self.source_mask.all()) else \
+                _additive_mask(self.source_mask, memory.dtype)
+        return Seq2SeqCache(c.decoder_layers, batch_size, c.num_kv_heads or c.num_heads, max_len or c.max_target_len,
+                            c.head_dim, dtype=dtype or memory.dtype, device=device or memory.device,
+                            memory_kv=memory_kv, memory_mask=mask, group=batch_size // Bm)
+
+    def __call__(self, input_ids: Tensor, *, positions: Tensor | None = None, attention_mask: Tensor | None = None,
+                 cache: Seq2SeqCache | None = None) -> Tensor:
+        if attention_mask is not None and not bool(attention_mask.all()):
+            raise GenerationError("decoder prompts cannot be padded (they all start with BOS)")
+        if cache is None:
+            B = input_ids.shape[0]
+            memory, mask = self.memory, self.source_mask
+            if B != memory.shape[0]:
+                g = B // memory.shape[0]
+                memory = memory.repeat_interleave(g, dim=0)
+                mask = None if mask is None else mask.repeat_interleave(g, dim=0)
+            return self.model.decode(input_ids, memory, mask, positions=positions)
+        return self.model.decode(input_ids, positions=positions, cache=cache)
+
+
+MODELS.register("seq2seq")((Seq2SeqConfig, EncoderDecoder))
