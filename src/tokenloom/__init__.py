@@ -6,4 +6,5 @@ from .models import GPT, EncoderDecoder, GPTConfig, Seq2SeqConfig
 
 __version__ = "0.1.0"
 
-__all__ = ["GPT", "EncoderDecoder", "GPTConfig", "Seq2SeqConfig", "GenerationConfig", "TokenloomError", "__version__", "generate", "stream"]
+__all__ = ["GPT", "EncoderDecoder", "GPTConfig", "GenerationConfig", "Seq2SeqConfig", "TokenloomError", "__version__",
+           "generate", "stream"]
