@@ -134,8 +134,13 @@ def evaluate(args: argparse.Namespace) -> int:
 
     ckpt = resolve_checkpoint(args.checkpoint)
     config = read_config(ckpt)
-    if config.get("task", "lm") != "lm":
-        raise ConfigError(f"evaluate supports task 'lm' so far, the checkpoint is {config.get('task')!r}")
+    if config.get("task", "lm") == "translation" or (config.get("model") or {}).get("family") == "seq2seq":
+        return _evaluate_translation(args, ckpt, config)
+    if args.split not in ("train", "val"):
+        raise ConfigError(f"--split for a language model is 'train' or 'val', got {args.split!r}")
+    if args.metrics or args.source or args.reference:
+        raise ConfigError("--metrics, --source and --reference apply to translation models; a language model "
+                          "reports loss and perplexity")
     model, _ = load_model(ckpt, dtype=_DTYPES[args.precision])
     tokenizer = load_tokenizer(ckpt)
     data = config.get("data") or {}
@@ -185,4 +190,83 @@ def export(args: argparse.Namespace) -> int:
     config = json.loads((out / "config.json").read_text())
     print(f"exported {resolve_checkpoint(args.checkpoint)} -> {out} ({config['architectures'][0]}, "
           f"{config['torch_dtype']})")
+    return 0
+
+
+def _read_lines(path: str | None) -> list[str]:
+    if path is None:
+        return [line.rstrip("\n") for line in sys.stdin]
+    file = Path(path)
+    if not file.is_file():
+        raise ConfigError(f"input file not found: {file}")
+    return file.read_text(encoding="utf-8").splitlines()
+
+
+def _translation_model(checkpoint: str | Path, precision: str):
+    ckpt = resolve_checkpoint(checkpoint)
+    family = (read_config(ckpt).get("model") or {}).get("family", "gpt")
+    if family != "seq2seq":
+        raise ConfigError(f"{ckpt} holds a {family!r} model; translation needs an encoder-decoder (family seq2seq)")
+    model, _ = load_model(ckpt, dtype=_DTYPES[precision])
+    return ckpt, model, load_tokenizer(ckpt)
+
+
+def translate(args: argparse.Namespace) -> int:
+    from ..tasks.translation import translate as run
+
+    if args.beam < 1:
+        raise ConfigError(f"--beam must be >= 1, got {args.beam}")
+    _, model, tokenizer = _translation_model(args.checkpoint, args.precision)
+    lines = _read_lines(args.input)
+    keep = [i for i, line in enumerate(lines) if line.strip()]
+    out = [""] * len(lines)  # an empty input line gives an empty output line
+    with torch.inference_mode():
+        for i, text in zip(keep, run(model, tokenizer, [lines[i] for i in keep], beam=args.beam,
+                                     length_penalty=args.length_penalty, max_tokens=args.max_tokens,
+                                     no_repeat_ngram_size=args.no_repeat_ngram_size,
+                                     truncate=args.too_long == "truncate"), strict=True):
+            out[i] = text
+    text = "".join(line + "\n" for line in out)
+    if args.output:
+        Path(args.output).write_text(text, encoding="utf-8")
+    else:
+        sys.stdout.write(text)
+    return 0
+
+
+def _evaluate_translation(args: argparse.Namespace, ckpt: Path, config: dict) -> int:
+    from ..evaluation import compute_metrics, format_metrics
+    from ..tasks.translation import TranslationDataConfig
+    from ..tasks.translation import translate as run
+
+    if (args.source is None) != (args.reference is None):
+        raise ConfigError("--source and --reference go together")
+    metrics = args.metrics or ["bleu", "chrf"]
+    compute_metrics(metrics, ["x"], ["x"])  # an unknown metric name fails here, before any decoding
+    _, model, tokenizer = _translation_model(ckpt, args.precision)
+    if args.source is not None:
+        sources, references, what = _read_lines(args.source), _read_lines(args.reference), args.source
+        if len(sources) != len(references):
+            raise ConfigError(f"--source has {len(sources)} lines but --reference has {len(references)}")
+    else:
+        from ..config import from_dict
+        from ..data.parallel import read_parallel
+
+        data = from_dict(TranslationDataConfig, config.get("data") or {}, prefix="data")
+        pairs = read_parallel(*data.files(args.split), empty_lines=data.empty_lines)
+        sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
+        what = f"{args.split} ({data.source_lang}->{data.target_lang}, {len(pairs)} sentences)"
+    start = time.perf_counter()
+    with torch.inference_mode():
+        hypotheses = run(model, tokenizer, sources, beam=args.beam)
+    seconds = time.perf_counter() - start
+    if args.output:
+        Path(args.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+    result = compute_metrics(metrics, hypotheses, references)
+    if args.json:
+        print(json.dumps({"checkpoint": str(ckpt), "data": what, "beam": args.beam, **result.scores,
+                          "signatures": result.signatures, "seconds": round(seconds, 2)}))
+    else:
+        print(f"{ckpt}: {what}, beam {args.beam}, {seconds:.1f} s")
+        print(format_metrics(result))
     return 0

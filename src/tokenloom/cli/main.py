@@ -1,4 +1,4 @@
-"""``tokenloom train | generate | evaluate | import | export``.
+"""``tokenloom train | generate | evaluate | translate | import | export``.
 
 Errors a user can cause print one line (``error: ...``) and exit with status 2; Ctrl-C exits 130.
 """
@@ -48,12 +48,36 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("evaluate", help="validation loss, perplexity and throughput of a checkpoint")
     p.add_argument("checkpoint", help="checkpoint or run directory")
     p.add_argument("--data", default=None, help="text file (default: the one the checkpoint was trained on)")
-    p.add_argument("--split", choices=["train", "val"], default="val")
-    p.add_argument("--batches", type=int, default=None, help="at most this many batches (default: the whole split)")
-    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--split", default="val", help="lm: train | val; translation: any split of the recipe's "
+                   "data (val, test2016, ...)")
+    p.add_argument("--batches", type=int, default=None, help="lm: at most this many batches (default: the whole split)")
+    p.add_argument("--batch-size", type=int, default=16, help="lm: sequences per batch")
+    p.add_argument("--metrics", nargs="+", default=None, metavar="NAME",
+                   help="translation: bleu chrf rouge exact_match (default: bleu chrf)")
+    p.add_argument("--beam", type=int, default=5, help="translation: beam size (1 = greedy)")
+    p.add_argument("--source", default=None, help="translation: a source file to evaluate instead of a split")
+    p.add_argument("--reference", default=None, help="translation: its reference translations (line-aligned)")
+    p.add_argument("--output", default=None, help="translation: write the hypotheses to this file")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.set_defaults(func=_run("evaluate"))
+
+
+def _add_translate(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("translate", help="translate sentences with an encoder-decoder checkpoint",
+                       description="Translate one sentence per line (stdin or --input) to stdout or --output.")
+    p.add_argument("checkpoint", help="checkpoint or run directory of a translation model")
+    p.add_argument("--input", default=None, help="source file, one sentence per line (default: stdin)")
+    p.add_argument("--output", default=None, help="file for the translations (default: stdout)")
+    p.add_argument("--beam", type=int, default=5, help="beam size (1 = greedy)")
+    p.add_argument("--length-penalty", type=float, default=1.0,
+                   help="beam score = sum of log-probs / length ** this (default 1.0)")
+    p.add_argument("--no-repeat-ngram-size", type=int, default=0)
+    p.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch (times the beam)")
+    p.add_argument("--too-long", choices=["truncate", "error"], default="truncate",
+                   help="a source longer than the model's limit: truncate with a warning, or refuse")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.set_defaults(func=_run("translate"))
 
 
 _DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
@@ -104,6 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_generate(sub)
     _add_evaluate(sub)
+    _add_translate(sub)
     _add_import(sub)
     _add_export(sub)
     return parser

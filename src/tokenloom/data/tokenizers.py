@@ -16,6 +16,11 @@ file's ``model.type`` after loading (no extra field):
 The end-of-text token is ``<|endoftext|>`` unless another is named (``eos_token``, e.g. ``</s>`` for
 an imported Llama; the checkpoint's ``config.yaml`` records it under ``tokenizer.eos_token``).
 
+Translation (encoder-decoder) tokenizers follow fairseq's conventions: ``<pad>`` = 0, ``<s>`` = 1 (bos),
+``</s>`` = 2 (eos), ``<unk>`` = 3. :func:`train_joint_bpe` trains one byte-level BPE over source and
+target text together with those ids; load its file with ``Tokenizer.from_file(path, eos_token="</s>")``
+(``pad_id`` / ``bos_id`` are found by name, ``eos_id`` follows ``eos_token``).
+
 ``TOKENIZERS`` maps the kind to a builder ``(text, vocab_size) -> Tokenizer``; use
 :func:`create_tokenizer`::
 
@@ -29,7 +34,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -43,6 +48,11 @@ TokenizerBuilder = Callable[[str, "int | None"], "Tokenizer"]
 TOKENIZERS: Registry[TokenizerBuilder] = Registry("tokenizer")
 
 EOS_TOKEN = "<|endoftext|>"
+PAD_TOKEN = "<pad>"
+BOS_TOKEN = "<s>"
+TRANSLATION_EOS_TOKEN = "</s>"
+UNK_TOKEN = "<unk>"
+TRANSLATION_SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, TRANSLATION_EOS_TOKEN, UNK_TOKEN)  # ids 0, 1, 2, 3
 _MODEL_KINDS = {"WordLevel": "char", "BPE": "bpe", "Unigram": "subword", "WordPiece": "subword"}
 _CHUNK_CHARS = 4096  # target piece length when encoding long texts in parallel
 _BATCH_CHUNKS = 512  # pieces per ``encode_batch`` call (bounds memory)
@@ -142,6 +152,18 @@ class Tokenizer:
         backend.train_from_iterator(split_for_encoding(text), trainer=trainer)
         return cls(backend, "bpe")
 
+    @classmethod
+    def train_joint_bpe(cls, texts: Iterable[str], vocab_size: int) -> Tokenizer:
+        """Byte-level BPE (``train_bpe``'s settings) over source and target text together, for translation.
+
+        ``texts`` are sentences (or whole newline-separated files) of both languages. The special tokens
+        ``<pad>``, ``<s>``, ``</s>``, ``<unk>`` get ids 0..3 and ``eos_token`` is ``</s>``. Byte-level
+        BPE never needs ``<unk>``; it is reserved so the ids match fairseq's dictionaries.
+        """
+        text = "\n".join(texts)
+        tok = cls.train_bpe(text, vocab_size, special_tokens=TRANSLATION_SPECIAL_TOKENS)
+        return tok.with_eos(TRANSLATION_EOS_TOKEN)
+
     # ---- files ----------------------------------------------------------------------------------
 
     def with_eos(self, eos_token: str | None) -> Tokenizer:
@@ -203,6 +225,20 @@ class Tokenizer:
     def eos_token(self) -> str | None:
         return self._eos_token
 
+    def token_to_id(self, token: str) -> int | None:
+        """Id of ``token`` (a special token such as ``<pad>``, or any vocabulary entry), or None."""
+        return self.backend.token_to_id(token)
+
+    @property
+    def pad_id(self) -> int | None:
+        """Id of ``<pad>``, or None when the vocabulary lacks it."""
+        return self.backend.token_to_id(PAD_TOKEN)
+
+    @property
+    def bos_id(self) -> int | None:
+        """Id of ``<s>`` (beginning of sequence), or None when the vocabulary lacks it."""
+        return self.backend.token_to_id(BOS_TOKEN)
+
     @property
     def fingerprint(self) -> str:
         """sha256 of the serialized tokenizer; equal fingerprints encode identically."""
@@ -228,6 +264,13 @@ class Tokenizer:
             except KeyError:
                 raise self._oov_error(text) from None
         return self.backend.encode(text).ids
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        """Ids of each text, equal to ``[self.encode(t) for t in texts]`` (one ``encode_batch`` call for
+        a BPE / subword tokenizer, which uses all cores)."""
+        if self._kind == "char":
+            return [self.encode(t) for t in texts]
+        return [e.ids for e in self.backend.encode_batch(list(texts))]
 
     def encode_array(self, text: str) -> np.ndarray:
         """Token ids of a long ``text`` as a uint32 array, equal to ``encode(text)`` but faster.
@@ -289,6 +332,11 @@ def _build_bpe(text: str, vocab_size: int | None = None) -> Tokenizer:
     if vocab_size is None:
         raise ConfigError("vocab_size: a bpe tokenizer needs a vocab_size (for example 4096)")
     return Tokenizer.train_bpe(text, vocab_size)
+
+
+def train_joint_bpe(texts: Iterable[str], vocab_size: int) -> Tokenizer:
+    """Joint source+target byte-level BPE for translation; see :meth:`Tokenizer.train_joint_bpe`."""
+    return Tokenizer.train_joint_bpe(texts, vocab_size)
 
 
 def create_tokenizer(kind: str, text: str, vocab_size: int | None = None) -> Tokenizer:

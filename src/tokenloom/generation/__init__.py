@@ -1,5 +1,7 @@
-"""Decoding over a small model protocol: settings, logits processors, greedy and sampled generation."""
+"""Decoding over a small model protocol: settings, logits processors, greedy and sampled generation, beam
+search."""
 
+from .beam import BeamOutput, beam_search
 from .config import GenerationConfig
 from .generate import generate, stream
 from .processors import (
@@ -13,6 +15,7 @@ from .processors import (
 )
 
 __all__ = [
-    "GenerationConfig", "LogitsProcessor", "LogitsProcessorList", "RepetitionPenaltyProcessor",
-    "TemperatureProcessor", "TopKProcessor", "TopPProcessor", "create_processors", "generate", "stream",
+    "BeamOutput", "GenerationConfig", "LogitsProcessor", "LogitsProcessorList", "RepetitionPenaltyProcessor",
+    "TemperatureProcessor", "TopKProcessor", "TopPProcessor", "beam_search", "create_processors", "generate",
+    "stream",
 ]

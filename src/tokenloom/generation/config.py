@@ -14,7 +14,10 @@ def _is_int(value: object) -> bool:
 
 @dataclass
 class GenerationConfig:
-    """How to continue a prompt. Greedy when ``do_sample`` is False or ``temperature`` is 0."""
+    """How to continue a prompt. Greedy when ``do_sample`` is False or ``temperature`` is 0; beam search
+    (:func:`tokenloom.generation.beam_search`) when ``num_beams`` > 1, which needs ``do_sample=False`` and
+    takes no ``repetition_penalty`` or ``stop_strings`` (``temperature``, ``top_k`` and ``top_p`` are
+    sampling settings: greedy decoding and beam search ignore them)."""
 
     max_new_tokens: int = 100  # tokens to generate at most (fewer when every row stops early)
     do_sample: bool = True  # sample from the processed distribution; False = greedy (argmax)
@@ -26,6 +29,14 @@ class GenerationConfig:
     pad_token_id: int = 0  # written after a row has stopped
     stop_strings: list[str] = field(default_factory=list)  # a row stops once its new text contains one
     seed: int | None = None  # seeds the sampler's own generator: same seed, same text; None = global RNG
+    # beam search (num_beams > 1); see tokenloom.generation.beam for the exact rules
+    num_beams: int = 1  # hypotheses kept per prompt; 1 = greedy or sampling
+    length_penalty: float = 1.0  # finished score = sum of log-probs / generated_length ** length_penalty
+    early_stopping: bool | str = False  # True: a prompt is done once it has num_beams finished hypotheses;
+    #   False: ... and the best running one, scored at its current length, cannot beat the worst of them (HF's
+    #   heuristic); "never": ... and no running one can beat it at any length (exact)
+    num_return_sequences: int = 1  # best hypotheses beam_search returns per prompt (<= num_beams)
+    no_repeat_ngram_size: int = 0  # beam search never repeats an n-gram of this size (prompt included); 0 = off
 
     def __post_init__(self) -> None:
         check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
@@ -53,6 +64,25 @@ class GenerationConfig:
             check(isinstance(s, str) and s != "", f"stop_strings must hold non-empty strings, got {s!r}")
         if self.seed is not None:
             check(_is_int(self.seed) and self.seed >= 0, f"seed must be an integer >= 0 or None, got {self.seed!r}")
+        check(_is_int(self.num_beams) and self.num_beams >= 1,
+              f"num_beams must be a positive integer (1 = no beam search), got {self.num_beams!r}")
+        check(isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool)
+              and math.isfinite(self.length_penalty),
+              f"length_penalty must be a finite number (1 = average log-prob, 0 = sum), got {self.length_penalty!r}")
+        check(isinstance(self.early_stopping, bool) or self.early_stopping == "never",
+              f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
+        check(_is_int(self.num_return_sequences) and 1 <= self.num_return_sequences <= self.num_beams,
+              f"num_return_sequences must be an integer in [1, num_beams={self.num_beams}], "
+              f"got {self.num_return_sequences!r}")
+        check(_is_int(self.no_repeat_ngram_size) and self.no_repeat_ngram_size >= 0,
+              f"no_repeat_ngram_size must be an integer >= 0 (0 = off), got {self.no_repeat_ngram_size!r}")
+        if self.num_beams > 1:
+            check(self.greedy, f"num_beams={self.num_beams} (beam search) needs do_sample=False: beam sampling is "
+                               "not supported")
+            check(self.repetition_penalty == 1.0, f"repetition_penalty={self.repetition_penalty} does not apply to "
+                                                  f"beam search (num_beams={self.num_beams}); leave it at 1.0")
+            check(not self.stop_strings, f"stop_strings do not apply to beam search (num_beams={self.num_beams}); "
+                                         "use eos_token_id")
 
     @property
     def greedy(self) -> bool:

@@ -40,7 +40,13 @@ class Tokenizer(Protocol):
 def generate(model: nn.Module, input_ids: Tensor, config: GenerationConfig | None = None,
              attention_mask: Tensor | None = None, tokenizer: Tokenizer | None = None) -> Tensor:
     """(B, T) prompt ids -> (B, T + n) prompt and new ids, n <= ``config.max_new_tokens`` (fewer when every
-    row stops early); positions after a row stopped hold ``config.pad_token_id``."""
+    row stops early); positions after a row stopped hold ``config.pad_token_id``. With ``config.num_beams``
+    > 1 this is beam search's best hypothesis per row (:func:`tokenloom.generation.beam_search` gives the
+    n best and their scores)."""
+    if config is not None and config.num_beams > 1:
+        from .beam import beam_search
+
+        return beam_search(model, input_ids, config, attention_mask, tokenizer).sequences[:, 0].contiguous()
     decoding = _Decoding(model, input_ids, config or GenerationConfig(), attention_mask, tokenizer)
     steps = sum(1 for _ in decoding)
     out = decoding.sequences[:, :decoding.prompt_len + steps]
@@ -62,6 +68,12 @@ class _Decoding:
     def __init__(self, model: nn.Module, input_ids: Tensor, config: GenerationConfig,
                  attention_mask: Tensor | None, tokenizer: Tokenizer | None) -> None:
         self.model, self.config, self.tokenizer = model, config, tokenizer
+        if config.num_beams > 1:
+            raise GenerationError(f"num_beams={config.num_beams}: beam search cannot stream (its best hypothesis "
+                                  "is known only at the end); use generate() or beam_search()")
+        if config.no_repeat_ngram_size:
+            raise GenerationError(f"no_repeat_ngram_size={config.no_repeat_ngram_size} applies to beam search only "
+                                  "(num_beams > 1, or beam_search() with num_beams=1)")
         if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
             raise GenerationError(f"input_ids must be a (batch, length) integer tensor, got "
                                   f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")

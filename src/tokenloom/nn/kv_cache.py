@@ -53,5 +53,8 @@ class KVCache:
         self.plan = None
 
     def reorder(self, index: Tensor) -> None:
-        """Keep batch rows ``index`` (beam search): k/v rows are gathered in place."""
-        self.kv.copy_(self.kv.index_select(2, index))
+        """Keep batch rows ``index`` (beam search): row ``i`` becomes the old row ``index[i]``. The rows are
+        gathered and copied back into the same storage (only the ``length`` positions written so far), so
+        the :meth:`layer` views and a model's ``plan`` bound to them stay valid."""
+        kv = self.kv[..., :self.length, :] if 0 < self.length < self.max_len else self.kv
+        kv.copy_(kv.index_select(2, index))

@@ -3,5 +3,6 @@
 from .lm import LMDataConfig, LMTask
 from .losses import cross_entropy
 from .registry import TASKS
+from .translation import TranslationDataConfig, TranslationTask, translate
 
-__all__ = ["TASKS", "LMDataConfig", "LMTask", "cross_entropy"]
+__all__ = ["TASKS", "LMDataConfig", "LMTask", "TranslationDataConfig", "TranslationTask", "cross_entropy", "translate"]

@@ -39,6 +39,7 @@ class LMTask:
     """Batches are (x, y) with y = x shifted by one; the loss is the mean token cross-entropy."""
 
     data_config_cls = LMDataConfig
+    default_family = "gpt"
 
     def __init__(self, dataset: TextDataset, *, batch_size: int, seq_len: int, label_smoothing: float = 0.0,
                  eval_batches: int | None = 20) -> None:
@@ -50,7 +51,7 @@ class LMTask:
     @classmethod
     def setup(cls, data: LMDataConfig, model_section: dict[str, Any], run_dir: Path, *, batch_size: int,
               seq_len: int | None, label_smoothing: float, eval_batches: int | None,
-              tokenizer: Tokenizer | None = None) -> tuple[LMTask, nn.Module, Tokenizer, dict[str, Any]]:
+              tokenizer: Tokenizer | None = None, seed: int = 0) -> tuple[LMTask, nn.Module, Tokenizer, dict[str, Any]]:
         """Tokenizer (trained unless given), token memmaps in ``run_dir/data``, and the model with its
         ``vocab_size`` (and, if unset, ``max_seq_len``) taken from the data. Returns (task, model,
         tokenizer, resolved model section)."""

@@ -22,6 +22,43 @@ from .schedules import SCHEDULES
 
 
 @dataclass
+class ScheduledSamplingConfig:
+    """Scheduled sampling for encoder-decoders (Bengio et al. 2015), in the two-pass form for Transformers
+    (Mihaylova & Martins 2019): a first decoder pass with the gold inputs (no gradient) predicts every
+    position; each decoder input after BOS is then replaced by the model's prediction with probability
+    ``1 - teacher``, and the second pass, whose loss is trained, reads the mixed inputs.
+
+    The teacher-forcing probability at step i: ``linear`` max(min_teacher, 1 - i / k); ``exponential``
+    max(min_teacher, k ** i) (k < 1); ``inverse_sigmoid`` max(min_teacher, k / (k + exp(i / k))); ``none``
+    always 1 (plain teacher forcing)."""
+
+    schedule: Literal["none", "linear", "exponential", "inverse_sigmoid"] = "none"
+    k: float = 1000.0
+    min_teacher: float = 0.75  # never replace more than 1 - min_teacher of the inputs
+    sample: bool = False  # replace with a token sampled from the prediction (default: its argmax)
+
+    def __post_init__(self) -> None:
+        check(0.0 <= self.min_teacher <= 1.0, f"train.scheduled_sampling.min_teacher must be in [0, 1], got "
+                                              f"{self.min_teacher}")
+        check(self.k > 0, f"train.scheduled_sampling.k must be positive, got {self.k}")
+        if self.schedule == "exponential":
+            check(self.k < 1, f"train.scheduled_sampling.k must be in (0, 1) for 'exponential', got {self.k}")
+
+    def teacher_probability(self, step: int) -> float:
+        import math
+
+        if self.schedule == "linear":
+            p = 1.0 - step / self.k
+        elif self.schedule == "exponential":
+            p = self.k ** step
+        elif self.schedule == "inverse_sigmoid":
+            p = self.k / (self.k + math.exp(min(step / self.k, 700.0)))
+        else:
+            return 1.0
+        return max(self.min_teacher, min(1.0, p))
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 2000  # optimizer updates
     batch_size: int = 16  # sequences per micro-batch
@@ -45,6 +82,10 @@ class TrainConfig:
     max_minutes: float | None = None  # stop (and checkpoint) after this much training time
     stop_after_steps: int | None = None  # end this run after N steps; resume later (the schedule spans max_steps)
     init_from: str | None = None  # fine-tune: start from this checkpoint's weights, tokenizer and model settings
+    keep_best: str | None = None  # also keep <run>/best: the checkpoint with the best value of this eval metric
+    #   (e.g. val_bleu, higher is better; val_loss / val_ppl, lower is better)
+    average_last: int = 0  # at the end, average the weights of the last N checkpoints into <run>/averaged
+    scheduled_sampling: ScheduledSamplingConfig = field(default_factory=ScheduledSamplingConfig)  # translation
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_batches", "log_every"):
@@ -54,6 +95,7 @@ class TrainConfig:
         check(self.stop_after_steps is None or self.stop_after_steps >= 1,
               f"train.stop_after_steps must be >= 1, got {self.stop_after_steps}")
         check(self.lr > 0, f"train.lr must be positive, got {self.lr}")
+        check(self.average_last >= 0, f"train.average_last must be >= 0, got {self.average_last}")
         check(self.seq_len is None or self.seq_len >= 1, f"train.seq_len must be >= 1, got {self.seq_len}")
         check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
               f"train.betas must be two numbers in [0, 1), got {self.betas}")
@@ -76,9 +118,12 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_choice("task", self.task, TASKS)
-        model = {"vocab_size": 1, **self.model}  # vocab_size comes from the tokenizer when unset
+        # vocab_size comes from the tokenizer when unset; the family defaults to the task's
+        model = {"family": TASKS.get(self.task).default_family, "vocab_size": 1 << 20, **self.model}
         model_config_from_dict(model)  # validates the section; raises ConfigError naming the key
         from_dict(TASKS.get(self.task).data_config_cls, self.data, prefix="data")
+        check(self.train.scheduled_sampling.schedule == "none" or self.task == "translation",
+              f"train.scheduled_sampling applies to the translation task, not {self.task!r}")
 
     @property
     def data_config(self) -> Any:

@@ -36,7 +36,8 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
     torch.manual_seed(t.seed)
     task, model, tokenizer, section = TASKS.get(config.task).setup(
         config.data_config, model_section, run_dir, batch_size=t.batch_size, seq_len=t.seq_len,
-        label_smoothing=t.label_smoothing, eval_batches=t.eval_batches, tokenizer=tokenizer)
+        label_smoothing=t.label_smoothing, eval_batches=t.eval_batches, tokenizer=tokenizer, seed=t.seed,
+        **({"scheduled_sampling": t.scheduled_sampling} if t.scheduled_sampling.schedule != "none" else {}))
     if checkpoint is not None:  # before the Trainer takes float32 masters of the weights
         try:
             load_weights(model, checkpoint)

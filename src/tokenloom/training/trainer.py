@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
@@ -49,6 +50,7 @@ class Trainer:
         self.step = 0
         self.show_progress = show_progress
         self.last_eval: dict[str, float] = {}
+        self.best: float | None = None  # the best value of train.keep_best so far
         self._stop_requested = False
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -76,10 +78,62 @@ class Trainer:
                 "numpy_rng": np.random.get_state(),
                 "python_rng": random.getstate(),
                 "last_eval": self.last_eval,
+                "best": self.best,
+                "task": self.task.state_dict() if hasattr(self.task, "state_dict") else None,
             }, tmp / STATE_FILE)
 
-        return write_checkpoint(self.checkpoint_dir, self.model, self._config_dict(), self.tokenizer,
-                                extra=save_state, state_dict=self.master.state_dict() if self.master else None)
+        weights = self._weights()
+        path = write_checkpoint(self.checkpoint_dir, self.model, self._config_dict(), self.tokenizer,
+                                extra=save_state, state_dict=weights)
+        if self.config.train.average_last:
+            self._snapshot(weights)
+        return path
+
+    def _weights(self) -> dict[str, torch.Tensor] | None:
+        """The weights a checkpoint holds: the float32 masters in bf16 mode, else the model's own."""
+        return self.master.state_dict() if self.master else None
+
+    # -- best checkpoint and weight averaging -------------------------------------------------------
+    @property
+    def snapshot_dir(self) -> Path:
+        return self.run_dir / "snapshots"
+
+    def _snapshot(self, weights: dict[str, torch.Tensor] | None) -> None:
+        """Keep the weights of the last ``train.average_last`` checkpoints as safetensors files."""
+        from ..checkpoint import _state_dict_for_saving
+
+        self.snapshot_dir.mkdir(parents=True, exist_ok=True)
+        tensors = _state_dict_for_saving(weights if weights is not None else self.model.state_dict())
+        tmp = self.snapshot_dir / f".step-{self.step:08d}.tmp"
+        save_file({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, str(tmp))
+        tmp.replace(self.snapshot_dir / f"step-{self.step:08d}.safetensors")
+        for old in sorted(self.snapshot_dir.glob("step-*.safetensors"))[:-self.config.train.average_last]:
+            old.unlink()
+
+    def average_snapshots(self) -> Path | None:
+        """Average the kept snapshots into ``<run>/averaged`` (a checkpoint without trainer state)."""
+        files = sorted(self.snapshot_dir.glob("step-*.safetensors"))[-self.config.train.average_last:]
+        if len(files) < 2:
+            return None
+        total: dict[str, torch.Tensor] = {}
+        for f in files:
+            for name, tensor in load_file(str(f)).items():
+                total[name] = total[name] + tensor if name in total else tensor.clone()
+        averaged = {name: t / len(files) if t.is_floating_point() else t for name, t in total.items()}
+        config = self._config_dict()
+        config["averaged"] = [f.stem for f in files]
+        return write_checkpoint(self.run_dir / "averaged", None, config, self.tokenizer, state_dict=averaged)
+
+    def _keep_best(self, metrics: dict[str, float]) -> None:
+        name = self.config.train.keep_best
+        if not name or name not in metrics:
+            return
+        value = metrics[name]
+        lower = name.endswith(("_loss", "_ppl"))
+        if self.best is None or (value < self.best if lower else value > self.best):
+            self.best = value
+            config = {**self._config_dict(), "best": {"metric": name, "value": value, "step": self.step}}
+            write_checkpoint(self.run_dir / "best", self.model, config, self.tokenizer, state_dict=self._weights())
 
     def load_state(self, checkpoint: str | Path) -> None:
         """Restore optimizer, scheduler, RNGs and step from a checkpoint (weights are loaded by the caller)."""
@@ -96,6 +150,9 @@ class Trainer:
             random.setstate(state["python_rng"])
             self.step = int(state["step"])
             self.last_eval = dict(state.get("last_eval", {}))
+            self.best = state.get("best")
+            if state.get("task") is not None and hasattr(self.task, "load_state_dict"):
+                self.task.load_state_dict(state["task"])
         except (OSError, RuntimeError, KeyError, ValueError, EOFError) as err:
             raise CheckpointError(f"{path} is truncated or corrupt ({str(err).splitlines()[0]})") from None
 
@@ -113,6 +170,7 @@ class Trainer:
         self.model.train(was_training)
         self.last_eval = metrics
         self._log({"step": self.step, **metrics})
+        self._keep_best(metrics)
         return metrics
 
     @contextlib.contextmanager
@@ -139,6 +197,8 @@ class Trainer:
         """One optimizer update over ``grad_accum_steps`` micro-batches: (mean loss, tokens)."""
         t = self.config.train
         total_loss, tokens = 0.0, 0
+        if hasattr(self.task, "step"):
+            self.task.step = self.step
         for _ in range(t.grad_accum_steps):
             batch = self.task.get_batch(self.generator)
             with autocast(t.precision):
@@ -188,7 +248,8 @@ class Trainer:
                     window_tokens, window_start = 0, time.perf_counter()
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
                     metrics = self.evaluate()
-                    bar.write(f"step {self.step}: val_loss {metrics['val_loss']:.4f}")
+                    bar.write(f"step {self.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()
+                                                                 if k.startswith("val_") and not k.endswith("ppl")))
                 if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.max_steps:
                     self.save()
                 if self._stop_requested:
@@ -205,6 +266,8 @@ class Trainer:
                 self.master.to_fp32()
             metrics = self.evaluate() if stopped_by != "interrupt" else dict(self.last_eval)
             self.save()
+            if self.config.train.average_last and stopped_by == "max_steps":
+                self.average_snapshots()
         elapsed = time.perf_counter() - start_time
         summary = {"step": self.step, "train_loss": loss, **metrics, "stopped_by": stopped_by,
                    "steps_this_run": self.step - start_step, "seconds": round(elapsed, 1)}

@@ -1,0 +1,256 @@
+"""Beam search over the decoding model protocol (see :mod:`tokenloom.generation.generate`): :func:`beam_search`.
+
+Shape legend: B batch (prompts), N ``num_beams``, K = 2N candidates kept per prompt and step, T prompt length
+(left padding included), n ``max_new_tokens``, V vocabulary size, R ``num_return_sequences``.
+
+It uses only the protocol every decoder shares (GPT, and an encoder-decoder's decoder adapter)::
+
+    logits = model(ids (B*N, t), positions=(B*N, t), attention_mask=(B*N, S) | None, cache=cache)
+    cache = model.create_cache(B * N, T + n);  cache.reorder(index)   # row i <- old row index[i]
+    model.config.vocab_size, model.config.max_seq_len
+
+Row ``b*N + k`` holds beam k of prompt b; ``cache.reorder`` only ever moves rows within a prompt's block of N.
+An encoder-decoder adapter therefore repeats each prompt's encoder memory N times (``repeat_interleave``)
+when asked for a cache of B*N rows, and that memory needs no reordering.
+
+The algorithm is Hugging Face transformers' (5.x) ``_beam_search``, vectorised the same way: one batch of
+B*N rows through the model per step, one KV cache of B*N rows reordered by the chosen beams.
+
+* Every prompt starts with one live beam (the others score -inf). Each step, each live beam's score (the
+  sum of the log-probabilities of its generated tokens; ``log_softmax`` of the fp32 logits, after the bans
+  below) is extended by every token, and the top K = 2N of the N*V candidates per prompt are kept.
+* A candidate ending in ``eos_token_id`` among the best N of those K is a *finished hypothesis* scored
+  ``sum_logprobs / generated_length ** length_penalty``, ``generated_length`` counting the new tokens
+  including the EOS (the prompt and its padding do not count). A prompt keeps its N best finished
+  hypotheses. At the last step (``max_new_tokens``) the best N candidates are finished the same way
+  (length n, no EOS). Hugging Face uses exactly this formula (``cur_len + 1 - decoder_prompt_len``).
+* The N best candidates that did not end in EOS are the live beams of the next step.
+* A prompt is *done* (takes no new hypotheses) once all N slots hold finished hypotheses and
+  ``early_stopping`` is True; or, for False, once the best live beam scored at its current length
+  (``running_sum / t ** length_penalty``, t new tokens) is no better than the worst finished one (HF's
+  heuristic, not exact when ``length_penalty`` > 0); or, for "never", once no live beam can beat it at any
+  length (the bound uses ``max_new_tokens`` when ``length_penalty`` > 0: exact beam search). Decoding
+  stops when every prompt is done or after ``max_new_tokens`` steps.
+* ``no_repeat_ngram_size`` = m bans every token that would complete an m-gram already in the row (prompt
+  included, padding excluded; HF also matches n-grams through left padding). Banned tokens get
+  log-probability -inf without renormalising the rest (as in HF). A model vocabulary padded past the
+  tokenizer's (``tokenizer.vocab_size``) never emits the extra ids, as in :func:`generate`.
+* ``do_sample`` must be off (no beam sampling); ``temperature``, ``top_k`` and ``top_p`` are ignored;
+  ``repetition_penalty`` and ``stop_strings`` are refused (:class:`GenerationConfig` checks all this).
+
+Differences from HF appear only in degenerate cases: where HF marks impossible candidates with -1e9
+(and can then continue a beam past its EOS or finish a beam that was never started), candidates here
+are -inf and never become hypotheses; when fewer than R hypotheses exist (a vocabulary smaller than the
+beam, or bans), the missing ones have score -inf, length 0 and only ``pad_token_id`` after the prompt.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from ..errors import GenerationError
+from .config import GenerationConfig
+from .generate import Tokenizer, _Decoding
+
+
+class BeamOutput(NamedTuple):
+    """The ``num_return_sequences`` best finished hypotheses per prompt, best first."""
+
+    sequences: Tensor  # (B, R, T + L) long: the prompt as given, the new tokens, then pad_token_id
+    scores: Tensor  # (B, R) float32: log_probs / lengths ** length_penalty (what the ranking uses)
+    log_probs: Tensor  # (B, R) float32: sum of the new tokens' log-probabilities (EOS included)
+    lengths: Tensor  # (B, R) long: new tokens (EOS included); L = the largest
+
+
+def beam_search(model: nn.Module, input_ids: Tensor, config: GenerationConfig,
+                attention_mask: Tensor | None = None, tokenizer: Tokenizer | None = None) -> BeamOutput:
+    """(B, T) prompt ids (left-padded, with ``attention_mask``, when of different lengths) -> the
+    ``config.num_return_sequences`` best hypotheses of a ``config.num_beams``-wide beam search per prompt,
+    with their scores (module docstring: the exact rules, and how they match Hugging Face)."""
+    mask = _check_request(model, input_ids, config, attention_mask)
+    B, T = input_ids.shape
+    N, n = config.num_beams, config.max_new_tokens
+    BN, device = B * N, input_ids.device
+    vocab = model.config.vocab_size
+    K = min(2 * N, N * vocab)
+    eos, pad, lp = config.eos_token_id, config.pad_token_id, float(config.length_penalty)
+
+    # the prompt, once per beam (row b*N + k is beam k of prompt b)
+    if mask is None:
+        prompt = input_ids
+        positions = torch.arange(T + n, device=device).expand(BN, -1).contiguous()  # (BN, T + n)
+        full_mask = None
+        real_len = torch.full((B,), T, device=device)
+    else:
+        real_len = mask.sum(-1)  # (B,)
+        first = input_ids.gather(1, (T - real_len)[:, None])  # padding takes a stand-in: the row's first token
+        prompt = torch.where(mask.bool(), input_ids, first)
+        positions = torch.cat(((mask.cumsum(-1) - 1).clamp(min=0), real_len[:, None] + torch.arange(n, device=device)),
+                              dim=1).repeat_interleave(N, dim=0)  # (BN, T + n)
+        full_mask = torch.cat((mask, mask.new_ones(B, n)), dim=1).repeat_interleave(N, dim=0)  # (BN, T + n)
+    step_positions = positions[:, T:].split(1, dim=1)  # n x (BN, 1)
+    bans = _NoRepeatNGram(config.no_repeat_ngram_size, prompt, real_len, N) if config.no_repeat_ngram_size else None
+    known = getattr(tokenizer, "vocab_size", None)
+    vocab_limit = known if isinstance(known, int) and known < vocab else None
+
+    # live beams: scores (B, N), new tokens (B, N, n); finished hypotheses: the same plus lengths, raw sums
+    live_scores = torch.full((B, N), float("-inf"), device=device)
+    live_scores[:, 0] = 0.0
+    live_tokens = torch.full((B, N, n), pad, dtype=torch.long, device=device)
+    done_scores = torch.full((B, N), float("-inf"), device=device)
+    done_sums = torch.full((B, N), float("-inf"), device=device)
+    done_lengths = torch.zeros((B, N), dtype=torch.long, device=device)
+    done_tokens = torch.full((B, N, n), pad, dtype=torch.long, device=device)
+    closed = torch.zeros(B, dtype=torch.bool, device=device)  # prompts that take no more hypotheses
+    in_top_n = torch.arange(K, device=device) < N  # (K,) only the best N candidates may finish
+    row_start = torch.arange(B, device=device)[:, None] * N  # (B, 1) first cache row of each prompt
+    any_full = False  # some prompt holds N finished hypotheses
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.inference_mode():
+            cache = model.create_cache(BN, T + n)
+            tokens = prompt.repeat_interleave(N, dim=0)  # (BN, T), then (BN, 1) per step
+            step_pos = positions[:, :T]
+            step_mask = full_mask[:, :T] if full_mask is not None else None
+            for t in range(n):
+                logits = model(tokens, positions=step_pos, attention_mask=step_mask, cache=cache)[:, -1]  # (BN, V)
+                logp = F.log_softmax(logits.float(), dim=-1)
+                if bans is not None:
+                    logp.masked_fill_(bans(live_tokens[:, :, :t], logp.shape[-1]), float("-inf"))
+                if vocab_limit is not None:
+                    logp[:, vocab_limit:] = float("-inf")
+                V = logp.shape[-1]
+                candidates = (live_scores.reshape(BN, 1) + logp).view(B, N * V)
+                top_sums, top_index = candidates.topk(K, dim=1)  # (B, K), best first
+                parent, token = top_index // V, top_index % V  # (B, K) beam of the prompt, next token
+                last = t == n - 1  # max_new_tokens: every candidate finishes
+                ends = token == eos if eos is not None else None  # (B, K) candidates that end in EOS
+                finishing = last or (ends is not None and bool(ends[:, :N].any()))  # among the best N
+
+                if finishing:  # merge the new finished hypotheses into each prompt's N best
+                    cand_tokens = live_tokens.gather(1, parent[:, :, None].expand(-1, -1, n))  # (B, K, n)
+                    cand_tokens[:, :, t] = token
+                    new = in_top_n & ~closed[:, None] & (top_sums > float("-inf"))
+                    if not last:
+                        new &= ends
+                    new_scores = (top_sums / ((t + 1) ** lp)).masked_fill(~new, float("-inf"))
+                    merged = torch.cat((done_scores, new_scores), dim=1)  # (B, N + K)
+                    keep = merged.topk(N, dim=1).indices  # (B, N), best first
+                    done_scores = merged.gather(1, keep)
+                    done_sums = torch.cat((done_sums, top_sums), dim=1).gather(1, keep)
+                    new_lengths = done_lengths.new_full((B, K), t + 1)
+                    done_lengths = torch.cat((done_lengths, new_lengths), dim=1).gather(1, keep)
+                    keep = keep[:, :, None].expand(-1, -1, n)
+                    done_tokens = torch.cat((done_tokens, cand_tokens), dim=1).gather(1, keep)
+                    if last:
+                        break
+                    any_full = bool((done_scores[:, -1] > float("-inf")).any())  # sorted: the last is the worst
+
+                    # live beams: the N best candidates that did not end
+                    open_sums = top_sums.masked_fill(ends, float("-inf"))
+                    chosen = open_sums.topk(N, dim=1).indices  # (B, N)
+                    live_scores = open_sums.gather(1, chosen)
+                    live_tokens = cand_tokens.gather(1, chosen[:, :, None].expand(-1, -1, n))
+                    beams = parent.gather(1, chosen)  # (B, N)
+                else:  # none of the best N ended: they are the live beams
+                    live_scores, beams = top_sums[:, :N], parent[:, :N]
+                    live_tokens = live_tokens.gather(1, beams[:, :, None].expand(-1, -1, n))
+                    live_tokens[:, :, t] = token[:, :N]
+
+                if any_full:  # close the prompts whose N finished hypotheses the live beams cannot beat
+                    full = done_scores[:, -1] > float("-inf")
+                    if config.early_stopping is True:
+                        closed |= full
+                    else:
+                        length = n if config.early_stopping == "never" and lp > 0 else t + 1
+                        closed |= full & (live_scores[:, 0] / (length ** lp) <= done_scores[:, -1])
+                    if bool(closed.all()):
+                        break
+                cache.reorder((beams + row_start).view(BN))
+                tokens = live_tokens[:, :, t].reshape(BN, 1)
+                step_pos = step_positions[t]
+                if full_mask is not None:
+                    step_mask = full_mask[:, :T + t + 1]
+    finally:
+        model.train(was_training)
+
+    empty = done_scores == float("-inf")  # slots no hypothesis reached (degenerate cases only)
+    done_sums = done_sums.masked_fill(empty, float("-inf"))
+    done_lengths = done_lengths.masked_fill(empty, 0)
+    done_tokens = done_tokens.masked_fill(empty[:, :, None], pad)
+    R = config.num_return_sequences
+    lengths = done_lengths[:, :R]
+    L = int(lengths.max())
+    sequences = torch.cat((input_ids[:, None].expand(B, R, T), done_tokens[:, :R, :L]), dim=2)
+    return BeamOutput(sequences=sequences, scores=done_scores[:, :R].clone(),  # clone: not an inference tensor
+                      log_probs=done_sums[:, :R], lengths=lengths)
+
+
+class _NoRepeatNGram:
+    """Bans, per beam, every token that would complete an m-gram already in its row (real tokens only)."""
+
+    def __init__(self, size: int, prompt: Tensor, real_len: Tensor, num_beams: int) -> None:
+        self.m, self.N = size, num_beams
+        self.prompt = prompt.repeat_interleave(num_beams, dim=0)  # (BN, T)
+        self.pad_len = (prompt.shape[1] - real_len).repeat_interleave(num_beams)  # (BN,) padding per row
+
+    def __call__(self, new_tokens: Tensor, vocab: int) -> Tensor:
+        """(B, N, t) new tokens -> (BN, V) bool: banned next tokens."""
+        m, prompt = self.m, self.prompt
+        BN, T = prompt.shape
+        t = new_tokens.shape[-1]
+        banned = torch.zeros(BN, vocab, device=prompt.device)
+        S = T + t
+        if S < m:
+            return banned.bool()
+        rows = torch.cat((prompt, new_tokens.reshape(BN, t)), dim=1)  # (BN, S)
+        grams = rows.unfold(1, m, 1)  # (BN, S - m + 1, m)
+        starts = torch.arange(S - m + 1, device=rows.device)
+        hit = starts[None] >= self.pad_len[:, None]  # (BN, W) n-grams of real tokens only
+        if m > 1:
+            tail = rows[:, S - m + 1:]  # (BN, m - 1) the row's last m - 1 tokens
+            hit &= (grams[:, :, :-1] == tail[:, None]).all(-1)
+            hit &= (S - m + 1 >= self.pad_len)[:, None]  # the tail itself holds no padding
+        banned.scatter_add_(1, grams[:, :, -1], hit.float())
+        return banned > 0
+
+
+def _check_request(model: nn.Module, input_ids: Tensor, config: GenerationConfig,
+                   attention_mask: Tensor | None) -> Tensor | None:
+    """The checks of :func:`generate` plus beam search's own; returns the (B, T) mask or None (no padding)."""
+    if not isinstance(config, GenerationConfig):
+        raise GenerationError(f"config must be a GenerationConfig, got {type(config).__name__}")
+    if not config.greedy:
+        raise GenerationError(f"beam search needs do_sample=False (beam sampling is not supported), got "
+                              f"do_sample={config.do_sample} with temperature={config.temperature}")
+    if config.repetition_penalty != 1.0 or config.stop_strings:
+        raise GenerationError("beam search takes no repetition_penalty or stop_strings")
+    if not 1 <= config.num_return_sequences <= config.num_beams:
+        raise GenerationError(f"num_return_sequences={config.num_return_sequences} must be in [1, "
+                              f"num_beams={config.num_beams}]")
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise GenerationError(f"input_ids must be a (batch, length) integer tensor, got "
+                              f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    B, T = input_ids.shape
+    if B == 0 or T == 0:
+        raise GenerationError(f"empty prompt: input_ids has shape {tuple(input_ids.shape)}; give at least "
+                              "one token per row")
+    mask = _Decoding._check_mask(input_ids, attention_mask)
+    vocab, context = model.config.vocab_size, model.config.max_seq_len
+    real = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    bad = input_ids[real & ((input_ids < 0) | (input_ids >= vocab))].unique()
+    if bad.numel():
+        shown = ", ".join(str(i) for i in bad[:10].tolist()) + (", ..." if bad.numel() > 10 else "")
+        raise GenerationError(f"prompt holds token ids outside the vocabulary [0, {vocab}): {shown}")
+    n = config.max_new_tokens
+    if T + n > context:
+        raise GenerationError(f"prompt of {T} tokens + max_new_tokens={n} = {T + n} positions exceeds the "
+                              f"model's context of {context} (no sliding window: shorten the prompt or "
+                              "lower max_new_tokens)")
+    return mask

@@ -1,0 +1,279 @@
+"""Translation: an encoder-decoder trained on line-aligned sentence pairs.
+
+Batches are built by token count from length buckets (fairseq's ``--max-tokens``), the loss is
+label-smoothed cross-entropy over the target tokens (padding ignored), and evaluation reports the
+validation loss and, by decoding the validation sources, sacreBLEU.
+
+Data layout (the bundled Multi30k)::
+
+    data/multi30k/{train,val,test2016}.{de,en}     # data.dir, data.source_lang, data.target_lang
+
+:func:`translate` turns sentences into translations with any model that has ``decoder_for`` (greedy or
+beam search), batching sentences of similar length.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from ..config import check
+from ..data.parallel import ParallelBatch, ParallelDataset, read_parallel
+from ..data.tokenizers import Tokenizer
+from ..errors import ConfigError, DataError, GenerationError
+from ..models.factory import create_model, model_config_from_dict
+from ..models.registry import MODELS
+from .losses import cross_entropy
+from .registry import TASKS
+
+SPECIAL_TOKENS = {"pad_id": "<pad>", "bos_id": "<s>", "eos_id": "</s>"}
+
+
+@dataclass
+class TranslationDataConfig:
+    dir: str = "data/multi30k"  # folder holding <split>.<lang> files
+    source_lang: str = "de"
+    target_lang: str = "en"
+    train: str = "train"  # split names (file stems)
+    valid: str = "val"
+    test: list[str] = field(default_factory=lambda: ["test2016"])
+    vocab_size: int = 8000  # joint source/target byte-level BPE
+    max_source_len: int = 128  # positions (tokens + EOS); longer training pairs are dropped
+    max_target_len: int = 128  # positions (BOS + tokens / tokens + EOS)
+    max_tokens: int = 4096  # tokens per batch: batch size x padded length, source or target
+    empty_lines: str = "error"  # error | skip
+    bleu: bool = True  # decode the validation sources at each evaluation and report val_bleu
+    bleu_beam: int = 1  # beam size of that decoding (1 = greedy)
+    bleu_sentences: int | None = None  # decode only the first N validation sentences (None = all)
+
+    def __post_init__(self) -> None:
+        check(self.vocab_size >= 260, f"data.vocab_size must be at least 260, got {self.vocab_size}")
+        check(self.max_tokens >= 16, f"data.max_tokens must be at least 16, got {self.max_tokens}")
+        check(self.empty_lines in ("error", "skip"), f"data.empty_lines must be 'error' or 'skip', got "
+                                                       f"{self.empty_lines!r}")
+        check(self.bleu_beam >= 1, f"data.bleu_beam must be >= 1, got {self.bleu_beam}")
+        check(self.source_lang != self.target_lang, f"data.source_lang and data.target_lang are both "
+                                                    f"{self.source_lang!r}")
+
+    def files(self, split: str) -> tuple[Path, Path]:
+        root = Path(self.dir)
+        return root / f"{split}.{self.source_lang}", root / f"{split}.{self.target_lang}"
+
+    @property
+    def splits(self) -> list[str]:
+        return list(dict.fromkeys([self.train, self.valid, *self.test]))
+
+
+def special_ids(tokenizer: Tokenizer) -> dict[str, int]:
+    """pad/bos/eos ids of a translation tokenizer; a one-line error when one is missing."""
+    ids = {}
+    for name, token in SPECIAL_TOKENS.items():
+        value = tokenizer.backend.token_to_id(token)
+        if value is None:
+            raise ConfigError(f"the tokenizer has no {token} token: a translation tokenizer needs <pad>, <s>, </s>")
+        ids[name] = value
+    return ids
+
+
+@TASKS.register("translation")
+class TranslationTask:
+    """Token-count batches of sentence pairs; label-smoothed cross-entropy; val loss and BLEU."""
+
+    data_config_cls = TranslationDataConfig
+    default_family = "seq2seq"
+
+    def __init__(self, dataset: ParallelDataset, data: TranslationDataConfig, tokenizer: Tokenizer, *,
+                 seed: int = 0, label_smoothing: float = 0.0, eval_batches: int | None = None) -> None:
+        self.dataset, self.data, self.tokenizer = dataset, data, tokenizer
+        self.ids = special_ids(tokenizer)
+        self.seed, self.label_smoothing, self.eval_batches = seed, label_smoothing, eval_batches
+        self.epoch, self.position = 0, 0
+        self._batches: list[list[int]] | None = None
+        self.step = 0  # the trainer's step (scheduled sampling reads it)
+        self.scheduled_sampling = None  # a ScheduledSamplingConfig, set by setup
+
+    @classmethod
+    def setup(cls, data: TranslationDataConfig, model_section: dict[str, Any], run_dir: Path, *, batch_size: int,
+              seq_len: int | None, label_smoothing: float, eval_batches: int | None,
+              tokenizer: Tokenizer | None = None, seed: int = 0,
+              scheduled_sampling: Any = None) -> tuple[TranslationTask, nn.Module, Tokenizer, dict[str, Any]]:
+        """Joint BPE (trained on the training pairs unless given), encoded splits under ``run_dir/data``,
+        and the model with its vocabulary and special ids taken from the tokenizer."""
+        if tokenizer is None:
+            pairs = read_parallel(*data.files(data.train), empty_lines=data.empty_lines)
+            tokenizer = Tokenizer.train_joint_bpe([text for pair in pairs for text in pair], data.vocab_size)
+        dataset = ParallelDataset.prepare({split: data.files(split) for split in data.splits}, tokenizer,
+                                          Path(run_dir) / "data", max_source_len=data.max_source_len,
+                                          max_target_len=data.max_target_len, empty_lines=data.empty_lines,
+                                          train_splits=(data.train,))
+        ids = special_ids(tokenizer)
+        vocab = model_section.get("vocab_size") or tokenizer.vocab_size
+        check(vocab >= tokenizer.vocab_size,
+              f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer.vocab_size} ids")
+        section = {"family": "seq2seq", **model_section, "vocab_size": vocab, **ids,
+                   "max_source_len": max(model_section.get("max_source_len", 0), data.max_source_len),
+                   "max_target_len": max(model_section.get("max_target_len", 0), data.max_target_len)}
+        family, model_config = model_config_from_dict(section)
+        if not hasattr(MODELS.get(family)[1], "decoder_for"):
+            raise ConfigError(f"task 'translation' needs an encoder-decoder model (family seq2seq), got {family!r}")
+        model = create_model(family, model_config)
+        task = cls(dataset, data, tokenizer, seed=seed, label_smoothing=label_smoothing, eval_batches=eval_batches)
+        task.scheduled_sampling = scheduled_sampling
+        return task, model, tokenizer, {"family": family, **{k: v for k, v in section.items() if k != "family"}}
+
+    # ---- training -----------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+        self._batches = None
+
+    def _epoch_batches(self) -> list[list[int]]:
+        if self._batches is None:
+            self._batches = self.dataset.batches(self.data.train, self.data.max_tokens, shuffle=True, seed=self.seed,
+                                                 epoch=self.epoch)
+            if not self._batches:
+                raise DataError(f"the {self.data.train!r} split has no pairs within the length limits")
+        return self._batches
+
+    def get_batch(self, generator: torch.Generator | None = None) -> ParallelBatch:
+        """The next training batch (the order is fixed by the seed and epoch, so resuming is exact)."""
+        batches = self._epoch_batches()
+        if self.position >= len(batches):
+            self.epoch, self.position, self._batches = self.epoch + 1, 0, None
+            batches = self._epoch_batches()
+        indices = batches[self.position]
+        self.position += 1
+        return self.dataset.collate(self.data.train, indices, **self.ids)
+
+    def loss(self, model: nn.Module, batch: ParallelBatch) -> tuple[Tensor, int]:
+        teacher = self.scheduled_sampling.teacher_probability(self.step) if self.scheduled_sampling else 1.0
+        if teacher < 1.0 and model.training:
+            logits = self._scheduled_sampling_logits(model, batch, 1.0 - teacher)
+        else:
+            logits = model(batch.source, batch.target_in, batch.source_mask)  # (B, T, V)
+        loss = cross_entropy(logits, batch.target_out, label_smoothing=self.label_smoothing,
+                             ignore_index=self.ids["pad_id"])
+        return loss, batch.num_target_tokens
+
+    def _scheduled_sampling_logits(self, model: nn.Module, batch: ParallelBatch, replace: float) -> Tensor:
+        """Two passes (see ScheduledSamplingConfig): gold inputs -> predictions -> mixed inputs -> logits."""
+        memory = model.encode(batch.source, batch.source_mask)
+        with torch.no_grad():
+            first = model.decode(batch.target_in, memory, batch.source_mask)  # (B, T, V)
+            if self.scheduled_sampling is not None and self.scheduled_sampling.sample:
+                predicted = torch.multinomial(first.float().softmax(-1).flatten(0, 1), 1).view(first.shape[:2])
+            else:
+                predicted = first.argmax(-1)  # position t predicts the token at t + 1
+            mixed = batch.target_in.clone()
+            swap = torch.rand(mixed[:, 1:].shape, device=mixed.device) < replace
+            swap &= batch.target_mask[:, 1:].bool()  # never the padding
+            mixed[:, 1:] = torch.where(swap, predicted[:, :-1], mixed[:, 1:])
+        return model.decode(mixed, memory, batch.source_mask)
+
+    # ---- evaluation ---------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def evaluate(self, model: nn.Module, max_batches: int | None = -1, split: str | None = None) -> dict[str, float]:
+        """``{split}_loss`` (no label smoothing), ``{split}_ppl`` and, with ``data.bleu``, ``{split}_bleu``."""
+        split = split or self.data.valid
+        name = "val" if split == self.data.valid else split
+        max_batches = self.eval_batches if max_batches == -1 else max_batches
+        total, count = 0.0, 0
+        for i, indices in enumerate(self.dataset.batches(split, self.data.max_tokens, shuffle=False)):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = self.dataset.collate(split, indices, **self.ids)
+            logits = model(batch.source, batch.target_in, batch.source_mask)
+            n = batch.num_target_tokens
+            total += cross_entropy(logits, batch.target_out, ignore_index=self.ids["pad_id"]).item() * n
+            count += n
+        if count == 0:
+            raise DataError(f"the {split!r} split is empty: nothing to evaluate")
+        loss = total / count
+        metrics = {f"{name}_loss": loss, f"{name}_ppl": math.exp(min(loss, 50.0)), "tokens": count}
+        if self.data.bleu:
+            from ..evaluation import compute_metrics
+
+            sources = self.dataset.sentences(split, "source")
+            references = self.dataset.sentences(split, "target")
+            if self.data.bleu_sentences is not None:
+                sources, references = sources[:self.data.bleu_sentences], references[:self.data.bleu_sentences]
+            hypotheses = translate(model, self.tokenizer, sources, beam=self.data.bleu_beam,
+                                   max_tokens=self.data.max_tokens)
+            metrics[f"{name}_bleu"] = compute_metrics(["bleu"], hypotheses, references).scores["bleu"]
+        return metrics
+
+
+def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, beam: int = 1,
+              length_penalty: float = 1.0, max_tokens: int = 4096, max_len_a: float = 1.5, max_len_b: int = 10,
+              no_repeat_ngram_size: int = 0, truncate: bool = True) -> list[str]:
+    """Translate ``sentences`` (in order) with an encoder-decoder: greedy (``beam=1``) or beam search.
+
+    Sentences are sorted by length and batched up to ``max_tokens`` source tokens (times the beam); each
+    batch generates at most ``max_len_a * source_length + max_len_b`` tokens (capped by the model's
+    target limit). A source longer than the model's limit is truncated with a warning (``truncate``) or
+    refused with a one-line error.
+    """
+    from ..generation import GenerationConfig, generate
+
+    if not hasattr(model, "decoder_for"):
+        raise ConfigError(f"translation needs an encoder-decoder model, got {type(model).__name__}")
+    c = model.config
+    ids = special_ids(tokenizer)
+    limit = c.max_source_len
+    encoded, truncated = [], 0
+    for i, text in enumerate(sentences):
+        tokens = tokenizer.encode(text)
+        if len(tokens) + 1 > limit:
+            if not truncate:
+                raise GenerationError(f"sentence {i + 1} has {len(tokens) + 1} tokens, more than the model's "
+                                      f"source limit of {limit}")
+            tokens, truncated = tokens[:limit - 1], truncated + 1
+        encoded.append(tokens + [ids["eos_id"]])
+    if truncated:
+        import warnings
+
+        warnings.warn(f"{truncated} source sentence(s) longer than the model's limit of {limit} tokens were "
+                      f"truncated", stacklevel=2)
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    results: list[str] = [""] * len(encoded)
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        start = 0
+        while start < len(order):
+            end = start + 1
+            while end < len(order) and (end - start + 1) * len(encoded[order[end]]) * beam <= max_tokens:
+                end += 1
+            chunk = order[start:end]
+            S = max(len(encoded[i]) for i in chunk)
+            source = torch.full((len(chunk), S), ids["pad_id"], dtype=torch.long)
+            mask = torch.zeros(len(chunk), S, dtype=torch.long)
+            for row, i in enumerate(chunk):
+                source[row, :len(encoded[i])] = torch.tensor(encoded[i])
+                mask[row, :len(encoded[i])] = 1
+            source, mask = source.to(device), mask.to(device)
+            new = min(c.max_target_len - 1, int(max_len_a * S + max_len_b))
+            config = GenerationConfig(max_new_tokens=new, do_sample=False, num_beams=beam,
+                                      length_penalty=length_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                                      eos_token_id=ids["eos_id"], pad_token_id=ids["pad_id"])
+            bos = torch.full((len(chunk), 1), ids["bos_id"], dtype=torch.long, device=device)
+            out = generate(model.decoder_for(source, mask), bos, config)
+            for row, i in enumerate(chunk):
+                tokens = out[row, 1:].tolist()
+                if ids["eos_id"] in tokens:
+                    tokens = tokens[:tokens.index(ids["eos_id"])]
+                results[i] = tokenizer.decode([t for t in tokens if t != ids["pad_id"]]).strip()
+            start = end
+    finally:
+        model.train(was_training)
+    return results
