@@ -105,3 +105,23 @@ def test_corrupt_checkpoint_subprocess(trained, tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.startswith("error: ") and "truncated or corrupt" in proc.stderr
     assert "Traceback" not in proc.stderr and proc.stderr.count("\n") == 1
+
+
+def test_generate_with_beam_search(trained, capsys):
+    import torch
+
+    from tokenloom.checkpoint import load_model, load_tokenizer
+    from tokenloom.generation import GenerationConfig, beam_search
+
+    capsys.readouterr()
+    assert main(["generate", str(trained / "run"), "--prompt", "ROMEO:", "--beam", "4", "--max-new-tokens", "20",
+                 "--num-samples", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("--- hypothesis") == 2 and "ROMEO:" in out
+    model, _ = load_model(trained / "run")
+    tok = load_tokenizer(trained / "run")
+    ids = torch.tensor([tok.encode("ROMEO:")])
+    best = beam_search(model, ids, GenerationConfig(max_new_tokens=20, do_sample=False, num_beams=4))
+    expected = "ROMEO:" + tok.decode(best.sequences[0, 0, ids.shape[1]:].tolist())
+    first = out.split("--- hypothesis 2")[0].split("---\n", 1)[1]
+    assert first == expected + "\n"  # the printed best hypothesis is beam search's best

@@ -116,6 +116,12 @@ def generate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
     model, _ = load_model(args.checkpoint, dtype=_DTYPES[args.precision])
     tokenizer = load_tokenizer(args.checkpoint)
+    if getattr(model, "decoder_for", None) is not None:
+        raise ConfigError("this is a translation model: use `tokenloom translate`")
+    if args.beam > 1:
+        return _generate_beam(args, model, tokenizer)
+    if args.beam < 1:
+        raise ConfigError(f"--beam must be >= 1, got {args.beam}")
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1} ---")
@@ -125,6 +131,31 @@ def generate(args: argparse.Namespace) -> int:
                              top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                              stop_strings=list(args.stop), eos_token_id=tokenizer.eos_id, seed=seed)
         _stream_text(model, tokenizer, args.prompt, config)
+    return 0
+
+
+def _generate_beam(args: argparse.Namespace, model, tokenizer) -> int:
+    """Beam search: the ``--num-samples`` best hypotheses with their scores (no streaming: the best is
+    known only at the end; no sliding window: prompt + new tokens must fit the context)."""
+    from ..generation import beam_search
+
+    ids = tokenizer.encode(args.prompt)
+    if not ids:
+        raise GenerationError("the prompt is empty after tokenization")
+    context = model.config.max_seq_len
+    new = min(args.max_new_tokens, context - len(ids))
+    if new < 1:
+        raise GenerationError(f"prompt of {len(ids)} tokens leaves no room in the model's context of {context}")
+    config = _gen_config(max_new_tokens=new, do_sample=False, num_beams=args.beam,
+                         num_return_sequences=min(args.num_samples, args.beam), length_penalty=args.length_penalty,
+                         no_repeat_ngram_size=args.no_repeat_ngram_size, eos_token_id=tokenizer.eos_id)
+    with torch.inference_mode():
+        out = beam_search(model, torch.tensor([ids]), config, tokenizer=tokenizer)
+    for k in range(out.sequences.shape[1]):
+        if out.sequences.shape[1] > 1:
+            print(f"--- hypothesis {k + 1} (score {float(out.scores[0, k]):.4f}) ---")
+        tokens = out.sequences[0, k, len(ids):len(ids) + int(out.lengths[0, k])].tolist()
+        print(args.prompt + _continuation(tokenizer, ids, tokens))
     return 0
 
 

@@ -38,6 +38,11 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="stop when this text appears (repeatable)")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
+    p.add_argument("--beam", type=int, default=1, metavar="N",
+                   help="beam search with N beams (prints the best hypothesis; with --num-samples K the K best)")
+    p.add_argument("--length-penalty", type=float, default=1.0,
+                   help="beam score = sum of log-probs / generated length ** this")
+    p.add_argument("--no-repeat-ngram-size", type=int, default=0, help="beam search: never repeat an n-gram")
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")

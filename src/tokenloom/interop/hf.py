@@ -74,6 +74,10 @@ OPS.register("concat")(Op(lambda ts, rule: torch.cat(ts, dim=0),
                           lambda t, rule: list(torch.split(t, list(rule.split), dim=0))))
 
 
+# a (1, N) HF row (Marian's final_logits_bias) <-> a tokenloom (N,) vector
+OPS.register("row")(Op(lambda ts, rule: ts[0].reshape(-1), lambda t, rule: [t.reshape(1, -1)]))
+
+
 def _only_zeros(ts: list[Tensor], rule: Rule) -> None:
     if ts[0].device.type != "meta" and ts[0].count_nonzero():
         raise CheckpointError(f"tensor {rule.hf[0]} holds non-zero values, but the model has no place for it "
@@ -470,7 +474,13 @@ def to_hf(model: nn.Module, *, attn_implementation: str | None = None) -> nn.Mod
     hf_model = getattr(transformers, conv.architecture)(transformers.AutoConfig.for_model(model_type, **hf))
     ref = next(model.parameters())
     hf_model.to(device=ref.device, dtype=ref.dtype)
-    load_state(hf_model, ours_to_hf(conv, model.config, model.state_dict()), "the converted weights")
+    state = ours_to_hf(conv, model.config, model.state_dict())
+    ignored = [re.compile(p) for p in conv.ignored(model.config)]
+    tied = {id(p) for n, p in hf_model.named_parameters(remove_duplicate=False) if n in state}
+    for name, tensor in hf_model.state_dict(keep_vars=True).items():  # what transformers computes itself
+        if name not in state and any(p.fullmatch(name) for p in ignored) and id(tensor) not in tied:
+            state[name] = tensor.detach()  # (sinusoid tables); tied copies are left to load_state
+    load_state(hf_model, state, "the converted weights")
     return hf_model.train(model.training)
 
 

@@ -31,6 +31,7 @@ from ..config import check, check_choice
 from ..errors import ConfigError, GenerationError
 from ..nn import ATTENTION_BACKENDS, BLOCKS, MLPS, NORMS, POSITIONS, KVCache, create_block, create_norm
 from ..nn.block import StepFunction, inference_function
+from ..nn.dropout import Dropout
 from ..nn.masks import causal_mask, padding_mask, positions_from_mask
 from ..nn.mlp import swiglu_hidden_dim
 from ..nn.positions import Position, check_rope_scaling
@@ -139,7 +140,7 @@ class GPT(nn.Module):
         self.position = POSITIONS.get(c.position)(
             embed_dim=c.embed_dim, num_heads=c.num_heads, head_dim=c.head_dim, max_seq_len=c.max_seq_len,
             **({"base": c.rope_base, "scaling": c.rope_scaling} if c.position == "rope" else {}))
-        self.embed_dropout = nn.Dropout(c.dropout)
+        self.embed_dropout = Dropout(c.dropout)
         self.blocks = nn.ModuleList(
             create_block(c.norm_placement, c.embed_dim, c.num_heads, c.num_kv_heads,
                          hidden_dim=c.mlp_hidden, mlp=c.mlp, norm=c.norm, attention=c.attention,

@@ -32,6 +32,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import check, check_choice
 from ..errors import GenerationError
 from ..nn import ATTENTION_BACKENDS, BLOCKS, MLPS, NORMS, POSITIONS, KVCache, create_block, create_norm
+from ..nn.dropout import Dropout
 from ..nn.masks import causal_mask
 from ..nn.mlp import swiglu_hidden_dim
 from ..nn.positions import Position, check_rope_scaling
@@ -48,11 +49,11 @@ class Seq2SeqConfig:
     embed_dim: int = 512
     max_source_len: int = 256  # longest source (tokens, EOS included) the encoder accepts
     max_target_len: int = 256  # longest target (BOS + tokens + EOS) the decoder produces
-    position: str = "sinusoidal"  # sinusoidal | learned | rope | alibi | t5 | none
+    position: str = "sinusoidal"  # sinusoidal | sinusoidal_halves | learned | rope | alibi | t5 | none
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_placement: str = "post"  # post (the original Transformer) | pre
     norm_eps: float = 1e-5
-    mlp: str = "relu"  # relu (the paper) | gelu | gelu_tanh | swiglu
+    mlp: str = "relu"  # relu (the paper) | gelu | gelu_tanh | silu | swiglu
     mlp_ratio: float = 4.0
     mlp_hidden_dim: int | None = None  # exact MLP hidden width; None = from mlp_ratio
     attention: str = "sdpa"  # sdpa | math
@@ -62,6 +63,7 @@ class Seq2SeqConfig:
     share_embeddings: bool = True  # source and target embeddings are one matrix (joint vocabulary)
     tie_embeddings: bool = True  # the output projection is the target embedding matrix
     scale_embeddings: bool = True  # multiply embeddings by sqrt(embed_dim)
+    output_bias: bool = False  # a bias on the vocabulary logits (Marian's final_logits_bias)
     rope_base: float = 10000.0
     rope_scaling: dict | None = None
     pad_id: int = 0
@@ -137,7 +139,7 @@ class EncoderDecoder(nn.Module):
         self.tgt_position = POSITIONS.get(c.position)(embed_dim=c.embed_dim, num_heads=c.num_heads,
                                                       head_dim=c.head_dim, max_seq_len=c.max_target_len, **rope)
         self.embed_scale = math.sqrt(c.embed_dim) if c.scale_embeddings else 1.0
-        self.embed_dropout = nn.Dropout(c.dropout)
+        self.embed_dropout = Dropout(c.dropout)
         common = dict(hidden_dim=c.mlp_hidden, mlp=c.mlp, norm=c.norm, attention=c.attention, dropout=c.dropout,
                       bias=c.bias, norm_eps=c.norm_eps, attention_dropout=c.attention_dropout)
         self.encoder = nn.ModuleList(create_block(c.norm_placement, c.embed_dim, c.num_heads, c.num_kv_heads,
@@ -147,7 +149,7 @@ class EncoderDecoder(nn.Module):
         pre = c.norm_placement == "pre"  # post-norm blocks end in a norm already
         self.encoder_norm = create_norm(c.norm, c.embed_dim, bias=c.bias, eps=c.norm_eps) if pre else nn.Identity()
         self.decoder_norm = create_norm(c.norm, c.embed_dim, bias=c.bias, eps=c.norm_eps) if pre else nn.Identity()
-        self.lm_head = nn.Linear(c.embed_dim, c.vocab_size, bias=False)
+        self.lm_head = nn.Linear(c.embed_dim, c.vocab_size, bias=c.output_bias)
         self._init_weights()
         if c.tie_embeddings:
             self.lm_head.weight = self.tgt_embed.weight

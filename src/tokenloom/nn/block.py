@@ -19,6 +19,7 @@ from torch import Tensor, nn
 
 from ..registry import Registry
 from .attention import MultiHeadAttention
+from .dropout import Dropout
 from .mlp import create_mlp
 from .norms import create_norm
 
@@ -54,7 +55,7 @@ class _Block(nn.Module):
             self.cross_attn = None
         self.mlp = create_mlp(mlp, embed_dim, hidden_dim, bias=bias, dropout=dropout)
         self.norm2 = create_norm(norm, embed_dim, bias=bias, eps=norm_eps)
-        self.resid_dropout = nn.Dropout(dropout)
+        self.resid_dropout = Dropout(dropout)
 
     def _inference_parts(self, kv: Tensor) -> tuple[Callable, Callable, Callable, Callable]:
         """(attention step over ``kv``, norm1, norm2, mlp) as plain functions for a decode step."""

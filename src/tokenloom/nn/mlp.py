@@ -1,4 +1,4 @@
-"""Position-wise feed-forward networks, by name: ``gelu``, ``gelu_tanh``, ``relu``, ``swiglu``.
+"""Position-wise feed-forward networks, by name: ``gelu``, ``gelu_tanh``, ``relu``, ``silu``, ``swiglu``.
 
 Shapes: x (B, T, C) -> (B, T, C); the hidden width is ``hidden_dim``. Each MLP's
 ``inference_function()`` returns a plain function equal to ``forward`` in eval mode (no dropout), without
@@ -14,6 +14,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..registry import Registry
+from .dropout import Dropout
 
 MLPS: Registry[type[nn.Module]] = Registry("mlp")
 
@@ -25,7 +26,7 @@ class _TwoLayerMLP(nn.Module):
         super().__init__()
         self.fc_in = nn.Linear(embed_dim, hidden_dim, bias=bias)
         self.fc_out = nn.Linear(hidden_dim, embed_dim, bias=bias)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def act(self, x: Tensor) -> Tensor:
         raise NotImplementedError
@@ -83,6 +84,14 @@ class ReluMLP(_TwoLayerMLP):
         return F.relu(x)
 
 
+@MLPS.register("silu")
+class SiluMLP(_TwoLayerMLP):
+    """SiLU (swish) between two linear layers, without a gate (Marian's default)."""
+
+    def act(self, x: Tensor) -> Tensor:
+        return F.silu(x)
+
+
 @MLPS.register("swiglu")
 class SwiGLU(nn.Module):
     """silu(x W_gate) * (x W_up) W_down (Shazeer 2020); ``hidden_dim`` is the gate/up width. Use
@@ -94,7 +103,7 @@ class SwiGLU(nn.Module):
         self.fc_gate = nn.Linear(embed_dim, hidden, bias=bias)
         self.fc_up = nn.Linear(embed_dim, hidden, bias=bias)
         self.fc_out = nn.Linear(hidden, embed_dim, bias=bias)
-        self.dropout = nn.Dropout(dropout)
+        self.dropout = Dropout(dropout)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.fc_out(F.silu(self.fc_gate(x)) * self.fc_up(x)))

@@ -54,24 +54,41 @@ class NoPosition(Position):
     """No position information (a causal decoder can still infer order)."""
 
 
-def sinusoid_table(num_positions: int, dim: int) -> Tensor:
-    """(num_positions, dim): sin on even, cos on odd features, wavelengths 2pi .. 10000*2pi."""
-    pos = torch.arange(num_positions, dtype=torch.float32)[:, None]
-    inv = torch.exp(torch.arange(0, dim, 2, dtype=torch.float32) * (-math.log(10000.0) / dim))
-    table = torch.zeros(num_positions, dim)
-    table[:, 0::2] = torch.sin(pos * inv)
-    table[:, 1::2] = torch.cos(pos * inv)[:, : dim // 2]
-    return table
+def sinusoid_table(num_positions: int, dim: int, layout: str = "interleaved") -> Tensor:
+    """(num_positions, dim) float32, computed in float64: angle pos * 10000^(-2i/dim) for i < ceil(dim/2);
+    ``interleaved`` (the paper): sin on even, cos on odd features; ``halves`` (fairseq, Marian): all
+    sines, then all cosines."""
+    pos = torch.arange(num_positions, dtype=torch.float64)[:, None]
+    inv = 10000.0 ** (-torch.arange(0, dim, 2, dtype=torch.float64) / dim)
+    angles = pos * inv  # (T, ceil(dim / 2))
+    if layout == "halves":
+        half = (dim + 1) // 2
+        return torch.cat((angles.sin(), angles.cos()[:, : dim - half]), dim=1).float()
+    table = torch.zeros(num_positions, dim, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(angles)
+    table[:, 1::2] = torch.cos(angles)[:, : dim // 2]
+    return table.float()
 
 
 @POSITIONS.register("sinusoidal")
 class SinusoidalPosition(Position):
+    """Fixed sinusoids added to the token embeddings (Vaswani et al. 2017), sin/cos interleaved."""
+
+    layout = "interleaved"
+
     def __init__(self, *, embed_dim: int, max_seq_len: int, **kwargs) -> None:
         super().__init__(embed_dim=embed_dim, max_seq_len=max_seq_len, **kwargs)
-        self.register_buffer("table", sinusoid_table(max_seq_len, embed_dim), persistent=False)
+        self.register_buffer("table", sinusoid_table(max_seq_len, embed_dim, self.layout), persistent=False)
 
     def embed(self, positions: Tensor) -> Tensor:
         return self.table[positions]
+
+
+@POSITIONS.register("sinusoidal_halves")
+class SinusoidalHalvesPosition(SinusoidalPosition):
+    """The same sinusoids with all sines first, then all cosines (fairseq, Marian)."""
+
+    layout = "halves"
 
 
 @POSITIONS.register("learned")

@@ -266,7 +266,7 @@ class Trainer:
                 self.master.to_fp32()
             metrics = self.evaluate() if stopped_by != "interrupt" else dict(self.last_eval)
             self.save()
-            if self.config.train.average_last and stopped_by == "max_steps":
+            if self.config.train.average_last and stopped_by in ("max_steps", "max_minutes"):
                 self.average_snapshots()
         elapsed = time.perf_counter() - start_time
         summary = {"step": self.step, "train_loss": loss, **metrics, "stopped_by": stopped_by,

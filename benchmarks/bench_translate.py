@@ -1,0 +1,134 @@
+"""Translation speed: tokenloom's encoder-decoder vs Hugging Face ``MarianMTModel`` with the same weights.
+
+The checkpoint (a Marian-layout translation model: post-norm, ``sinusoidal_halves`` positions, output
+bias, e.g. ``configs/multi30k-de-en.yaml``) is loaded into tokenloom and converted to a ``MarianMTModel``
+with ``tokenloom.interop.to_hf``, so both compute the same function. Both translate the same sentences,
+tokenized by the checkpoint's tokenizer, sorted by length and cut into the same batches, with the same
+decoding settings (greedy or beam search, length penalty 1.0, no forced EOS, at most 1.5 * source + 10 new
+tokens). Reported per beam size: wall time, sentences/s, the ratio HF / tokenloom (> 1: tokenloom faster),
+the fraction of identical translations, and each side's BLEU against the references.
+
+    python benchmarks/bench_translate.py runs/de-en
+    python benchmarks/bench_translate.py runs/de-en --split test2016 --beams 1,5 --batch-sentences 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from tokenloom.checkpoint import load_model, load_tokenizer, resolve_checkpoint
+from tokenloom.config import from_dict
+from tokenloom.data.parallel import read_parallel
+from tokenloom.evaluation import compute_metrics
+from tokenloom.generation import GenerationConfig, beam_search, generate
+from tokenloom.interop import to_hf
+from tokenloom.tasks.translation import TranslationDataConfig, special_ids
+
+
+def batches(encoded: list[list[int]], size: int) -> list[list[int]]:
+    order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def pad(rows: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(map(len, rows))
+    ids = torch.full((len(rows), width), pad_id, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for r, row in enumerate(rows):
+        ids[r, :len(row)] = torch.tensor(row)
+        mask[r, :len(row)] = 1
+    return ids, mask
+
+
+def strip(tokens: list[int], ids: dict[str, int]) -> list[int]:
+    if ids["eos_id"] in tokens:
+        tokens = tokens[:tokens.index(ids["eos_id"])]
+    return [t for t in tokens if t not in (ids["pad_id"], ids["bos_id"])]
+
+
+def run_tokenloom(model, source, mask, beam: int, new: int, ids: dict[str, int]) -> list[list[int]]:
+    config = GenerationConfig(max_new_tokens=new, do_sample=False, num_beams=beam, eos_token_id=ids["eos_id"],
+                              pad_token_id=ids["pad_id"])
+    start = torch.full((source.shape[0], 1), ids["bos_id"])
+    decoder = model.decoder_for(source, mask)
+    out = beam_search(decoder, start, config).sequences[:, 0] if beam > 1 else generate(decoder, start, config)
+    return [strip(row[1:], ids) for row in out.tolist()]
+
+
+def run_hf(hf, source, mask, beam: int, new: int, ids: dict[str, int]) -> list[list[int]]:
+    out = hf.generate(input_ids=source, attention_mask=mask, num_beams=beam, do_sample=False, max_new_tokens=new,
+                      length_penalty=1.0, early_stopping=False, forced_eos_token_id=None, bad_words_ids=None,
+                      decoder_start_token_id=ids["bos_id"], eos_token_id=ids["eos_id"], pad_token_id=ids["pad_id"])
+    return [strip(row[1:], ids) for row in out.tolist()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("checkpoint")
+    parser.add_argument("--split", default="test2016")
+    parser.add_argument("--beams", default="1,5")
+    parser.add_argument("--batch-sentences", type=int, default=64)
+    parser.add_argument("--sentences", type=int, default=None, help="only the first N sentences")
+    parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--out", default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    import transformers
+
+    ckpt = resolve_checkpoint(args.checkpoint)
+    model, config = load_model(ckpt)
+    tokenizer = load_tokenizer(ckpt)
+    ids = special_ids(tokenizer)
+    hf = to_hf(model).eval()
+    data = from_dict(TranslationDataConfig, config.get("data") or {}, prefix="data")
+    pairs = read_parallel(*data.files(args.split))[:args.sentences]
+    sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
+    encoded = [tokenizer.encode(s)[:model.config.max_source_len - 1] + [ids["eos_id"]] for s in sources]
+    chunks = batches(encoded, args.batch_sentences)
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads; "
+          f"{len(sources)} sentences of {args.split}, {len(chunks)} batches", file=sys.stderr)
+    load_before = os.getloadavg()[0]
+    rows = []
+    for beam in (int(b) for b in args.beams.split(",")):
+        results: dict[str, dict] = {}
+        for name, fn, net in (("tokenloom", run_tokenloom, model), ("hf", run_hf, hf)):
+            out: list[list[int] | None] = [None] * len(encoded)
+            with torch.inference_mode():
+                fn(net, *pad([encoded[i] for i in chunks[0]], ids["pad_id"]), beam, 8, ids)  # warm-up
+                start = time.perf_counter()
+                for chunk in chunks:
+                    source, mask = pad([encoded[i] for i in chunk], ids["pad_id"])
+                    new = min(model.config.max_target_len - 1, int(1.5 * source.shape[1] + 10))
+                    for i, tokens in zip(chunk, fn(net, source, mask, beam, new, ids), strict=True):
+                        out[i] = tokens
+                seconds = time.perf_counter() - start
+            texts = [tokenizer.decode(t).strip() for t in out]
+            bleu = compute_metrics(["bleu"], texts, references).scores["bleu"]
+            results[name] = dict(seconds=seconds, tokens=out, bleu=bleu)
+            print(f"  beam {beam} {name}: {seconds:.1f} s, BLEU {bleu:.2f}", file=sys.stderr, flush=True)
+        same = sum(a == b for a, b in zip(results["tokenloom"]["tokens"], results["hf"]["tokens"], strict=True))
+        rows.append(dict(beam=beam, tokenloom_s=results["tokenloom"]["seconds"], hf_s=results["hf"]["seconds"],
+                         ratio=results["hf"]["seconds"] / results["tokenloom"]["seconds"],
+                         identical=same / len(encoded), tokenloom_bleu=results["tokenloom"]["bleu"],
+                         hf_bleu=results["hf"]["bleu"], sentences=len(encoded)))
+    print(f"\n{args.split}: {len(encoded)} sentences, batches of {args.batch_sentences}, fp32")
+    print("beam  tokenloom s  HF s   HF/tokenloom  sent/s (tokenloom)  identical  BLEU tokenloom  BLEU HF")
+    for r in rows:
+        print(f"{r['beam']:>4}  {r['tokenloom_s']:>11.1f}  {r['hf_s']:>5.1f}  {r['ratio']:>11.2f}x  "
+              f"{r['sentences'] / r['tokenloom_s']:>18.1f}  {r['identical']:>9.3f}  {r['tokenloom_bleu']:>14.2f}  "
+              f"{r['hf_bleu']:>7.2f}")
+    print(f"1-min load average before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f}")
+    if args.out:
+        with open(args.out, "w") as fh:
+            json.dump(rows, fh, indent=2)
+
+
+if __name__ == "__main__":
+    main()
