@@ -77,6 +77,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sentences", type=int, default=None, help="only the first N sentences")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--out", default=None, help="write the results as JSON here")
+    parser.add_argument("--marian-random", action="store_true",
+                        help="for a checkpoint Marian cannot express (e.g. pre-norm): benchmark a randomly "
+                             "initialised Marian-layout model of the same shape instead of its weights")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -85,6 +88,16 @@ def main(argv: list[str] | None = None) -> None:
     ckpt = resolve_checkpoint(args.checkpoint)
     model, config = load_model(ckpt)
     tokenizer = load_tokenizer(ckpt)
+    if args.marian_random:
+        from dataclasses import replace
+
+        from tokenloom import EncoderDecoder
+
+        torch.manual_seed(0)
+        model = EncoderDecoder(replace(model.config, norm_placement="post", position="sinusoidal_halves",
+                                       output_bias=True, num_kv_heads=None)).eval()
+        print("random Marian-layout weights of the checkpoint's shape: every translation runs to the length "
+              "limit", file=sys.stderr)
     ids = special_ids(tokenizer)
     hf = to_hf(model).eval()
     data = from_dict(TranslationDataConfig, config.get("data") or {}, prefix="data")

@@ -3,8 +3,9 @@
 from .errors import TokenloomError
 from .generation import GenerationConfig, generate, stream
 from .models import GPT, EncoderDecoder, GPTConfig, Seq2SeqConfig
+from .tasks.translation import translate
 
 __version__ = "0.1.0"
 
 __all__ = ["GPT", "EncoderDecoder", "GPTConfig", "GenerationConfig", "Seq2SeqConfig", "TokenloomError", "__version__",
-           "generate", "stream"]
+           "generate", "stream", "translate"]

@@ -10,8 +10,9 @@ It uses only the protocol every decoder shares (GPT, and an encoder-decoder's de
     model.config.vocab_size, model.config.max_seq_len
 
 Row ``b*N + k`` holds beam k of prompt b; ``cache.reorder`` only ever moves rows within a prompt's block of N.
-An encoder-decoder adapter therefore repeats each prompt's encoder memory N times (``repeat_interleave``)
-when asked for a cache of B*N rows, and that memory needs no reordering.
+An encoder-decoder's rows of one prompt therefore share one encoder memory, which needs no reordering
+(tokenloom's :class:`~tokenloom.models.seq2seq.Seq2SeqDecoder` folds a prompt's N rows into the queries of
+one cross-attention call instead of copying the memory N times).
 
 The algorithm is Hugging Face transformers' (5.x) ``_beam_search``, vectorised the same way: one batch of
 B*N rows through the model per step, one KV cache of B*N rows reordered by the chosen beams.
