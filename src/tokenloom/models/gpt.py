@@ -27,15 +27,15 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
-from ..config import check, check_choice
+from ..config import check
 from ..errors import ConfigError, GenerationError
-from ..nn import ATTENTION_BACKENDS, BLOCKS, MLPS, NORMS, POSITIONS, KVCache, create_block, create_norm
+from ..nn import POSITIONS, KVCache, create_block, create_norm
 from ..nn.block import StepFunction, inference_function
 from ..nn.dropout import Dropout
 from ..nn.masks import causal_mask, padding_mask, positions_from_mask
-from ..nn.mlp import swiglu_hidden_dim
-from ..nn.positions import Position, check_rope_scaling
+from ..nn.positions import Position
 from ..registry import did_you_mean
+from .options import check_block_options
 from .registry import MODELS
 
 
@@ -70,34 +70,7 @@ class GPTConfig:
         for name in ("vocab_size", "num_layers", "num_heads", "embed_dim", "max_seq_len"):
             value = getattr(self, name)
             check(value >= 1, f"{name} must be a positive integer, got {value}")
-        check(self.embed_dim % self.num_heads == 0,
-              f"embed_dim={self.embed_dim} must be divisible by num_heads={self.num_heads}")
-        if self.num_kv_heads is not None:
-            check(self.num_kv_heads >= 1 and self.num_heads % self.num_kv_heads == 0,
-                  f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
-        check(0.0 <= self.dropout < 1.0, f"dropout must be in [0, 1), got {self.dropout}")
-        check(self.attention_dropout is None or 0.0 <= self.attention_dropout < 1.0,
-              f"attention_dropout must be in [0, 1), got {self.attention_dropout}")
-        check(self.mlp_ratio > 0, f"mlp_ratio must be positive, got {self.mlp_ratio}")
-        check(self.mlp_hidden_dim is None or self.mlp_hidden_dim >= 1,
-              f"mlp_hidden_dim must be a positive integer or null, got {self.mlp_hidden_dim}")
-        check_choice("position", self.position, POSITIONS)
-        check_choice("norm", self.norm, NORMS)
-        check_choice("norm_placement", self.norm_placement, BLOCKS)
-        check_choice("mlp", self.mlp, MLPS)
-        check_choice("attention", self.attention, ATTENTION_BACKENDS)
-        self.head_dim = self.embed_dim // self.num_heads
-        if self.position == "rope":
-            check(self.head_dim % 2 == 0, f"position 'rope' needs an even head_dim, got {self.head_dim}")
-            check_rope_scaling(self.rope_scaling)
-        else:
-            check(self.rope_scaling is None,
-                  f"rope_scaling is set but position is {self.position!r}; it applies to 'rope' only")
-        if self.mlp_hidden_dim is not None:
-            self.mlp_hidden = self.mlp_hidden_dim
-        else:
-            two_layer = int(self.mlp_ratio * self.embed_dim)
-            self.mlp_hidden = swiglu_hidden_dim(two_layer) if self.mlp == "swiglu" else two_layer
+        check_block_options(self)
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> GPTConfig:
