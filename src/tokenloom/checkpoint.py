@@ -43,7 +43,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
                           f"{path / 'checkpoint'})")
 
 
-def _state_dict_for_saving(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def state_dict_for_saving(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Contiguous tensors, shared (tied) weights stored once."""
     seen: dict[int, str] = {}
     out = {}
@@ -70,7 +70,7 @@ def write_checkpoint(directory: str | Path, model: nn.Module | None, config: dic
     old = directory.with_name(directory.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    tensors = _state_dict_for_saving(state_dict if state_dict is not None else model.state_dict())
+    tensors = state_dict_for_saving(state_dict if state_dict is not None else model.state_dict())
     if dtype is not None:
         tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
     save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})

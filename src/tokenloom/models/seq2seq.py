@@ -155,7 +155,7 @@ class EncoderDecoder(nn.Module):
         added = position.embed(positions)
         if added is not None:
             x = x + added
-        return self.embed_dropout(x) if self.training else x
+        return self.embed_dropout(x)  # a no-op in eval mode
 
     def _mask_dtype(self, x: Tensor) -> torch.dtype:
         return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") and x.device.type == "cpu" \

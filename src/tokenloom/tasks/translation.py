@@ -24,14 +24,12 @@ from torch import Tensor, nn
 
 from ..config import check
 from ..data.parallel import ParallelBatch, ParallelDataset, read_parallel
-from ..data.tokenizers import Tokenizer
+from ..data.tokenizers import TRANSLATION_EOS_TOKEN, Tokenizer
 from ..errors import ConfigError, DataError, GenerationError
 from ..models.factory import create_model, model_config_from_dict
 from ..models.registry import MODELS
 from .losses import cross_entropy
 from .registry import TASKS
-
-SPECIAL_TOKENS = {"pad_id": "<pad>", "bos_id": "<s>", "eos_id": "</s>"}
 
 
 @dataclass
@@ -70,13 +68,13 @@ class TranslationDataConfig:
 
 
 def special_ids(tokenizer: Tokenizer) -> dict[str, int]:
-    """pad/bos/eos ids of a translation tokenizer; a one-line error when one is missing."""
-    ids = {}
-    for name, token in SPECIAL_TOKENS.items():
-        value = tokenizer.backend.token_to_id(token)
-        if value is None:
-            raise ConfigError(f"the tokenizer has no {token} token: a translation tokenizer needs <pad>, <s>, </s>")
-        ids[name] = value
+    """pad/bos/eos ids of a translation tokenizer (``<pad>``, ``<s>``, ``</s>``); a one-line error when one
+    is missing."""
+    ids = {"pad_id": tokenizer.pad_id, "bos_id": tokenizer.bos_id,
+           "eos_id": tokenizer.token_to_id(TRANSLATION_EOS_TOKEN)}
+    if None in ids.values():
+        raise ConfigError("a translation tokenizer needs <pad>, <s> and </s> tokens; this one lacks "
+                          + ", ".join(name for name, value in ids.items() if value is None))
     return ids
 
 

@@ -100,10 +100,10 @@ class Trainer:
 
     def _snapshot(self, weights: dict[str, torch.Tensor] | None) -> None:
         """Keep the weights of the last ``train.average_last`` checkpoints as safetensors files."""
-        from ..checkpoint import _state_dict_for_saving
+        from ..checkpoint import state_dict_for_saving
 
         self.snapshot_dir.mkdir(parents=True, exist_ok=True)
-        tensors = _state_dict_for_saving(weights if weights is not None else self.model.state_dict())
+        tensors = state_dict_for_saving(weights if weights is not None else self.model.state_dict())
         tmp = self.snapshot_dir / f".step-{self.step:08d}.tmp"
         save_file({k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}, str(tmp))
         tmp.replace(self.snapshot_dir / f"step-{self.step:08d}.safetensors")
