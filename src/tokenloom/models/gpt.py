@@ -32,7 +32,7 @@ from ..errors import ConfigError, GenerationError
 from ..nn import POSITIONS, KVCache, create_block, create_norm
 from ..nn.block import StepFunction, inference_function
 from ..nn.dropout import Dropout
-from ..nn.masks import causal_mask, padding_mask, positions_from_mask
+from ..nn.masks import additive_mask, causal_mask, padding_mask, positions_from_mask
 from ..nn.positions import Position
 from ..registry import did_you_mean
 from .options import check_block_options
@@ -174,8 +174,7 @@ class GPT(nn.Module):
             allowed = pad if allowed is None else allowed & pad
         mask = None
         if allowed is not None:
-            mask = torch.zeros(allowed.shape, dtype=dtype, device=device)
-            mask.masked_fill_(~allowed, torch.finfo(dtype).min)
+            mask = additive_mask(allowed, dtype)
         if bias is not None:
             mask = bias.to(dtype) if mask is None else mask + bias.to(dtype)
         return mask, False

@@ -33,7 +33,7 @@ from ..config import check
 from ..errors import GenerationError
 from ..nn import POSITIONS, KVCache, create_block, create_norm
 from ..nn.dropout import Dropout
-from ..nn.masks import causal_mask
+from ..nn.masks import additive_mask, causal_mask, padding_mask
 from ..nn.positions import Position
 from .options import check_block_options
 from .registry import MODELS
@@ -91,9 +91,7 @@ class Seq2SeqConfig:
 
 def _additive_mask(source_mask: Tensor, dtype: torch.dtype) -> Tensor:
     """(B, S) 1 = token, 0 = padding -> (B, 1, 1, S) additive mask (0 / the dtype's minimum)."""
-    mask = torch.zeros(source_mask.shape, dtype=dtype, device=source_mask.device)
-    mask.masked_fill_(source_mask == 0, torch.finfo(dtype).min)
-    return mask[:, None, None, :]
+    return additive_mask(padding_mask(source_mask), dtype)
 
 
 class EncoderDecoder(nn.Module):
@@ -233,7 +231,7 @@ class EncoderDecoder(nn.Module):
             if past == 0:
                 return None, True
         allowed = causal_mask(T, S, device)
-        mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill_(~allowed, torch.finfo(dtype).min)
+        mask = additive_mask(allowed, dtype)
         return (mask if bias is None else mask + bias.to(dtype)), False
 
     def forward(self, source: Tensor, target_in: Tensor, source_mask: Tensor | None = None) -> Tensor:

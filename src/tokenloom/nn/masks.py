@@ -43,3 +43,9 @@ def to_additive(mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
 def positions_from_mask(attention_mask: Tensor) -> Tensor:
     """(B, T) 0/1 mask with left padding -> (B, T) position ids counting real tokens from 0 (pads get 0)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
+
+
+def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
+    """A bool mask (True = may attend) as an additive float mask: 0 where allowed, the dtype's minimum
+    elsewhere (finite, so a fully masked row gives a uniform softmax rather than NaN)."""
+    return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
