@@ -10,6 +10,7 @@ from tests.generation.helpers import left_pad, small_model
 from tokenloom import GenerationConfig, generate, stream
 from tokenloom.errors import ConfigError, GenerationError
 from tokenloom.generation import BeamOutput, beam_search
+from tokenloom.nn import KVCache
 
 BEAM = dict(do_sample=False)
 
@@ -178,6 +179,29 @@ def test_no_repeat_ngram_size_prevents_repeats():
         out = beam_search(model, ids, GenerationConfig(no_repeat_ngram_size=m, **config), attention_mask=mask)
         assert repeats(out, m) == [0, 0], m
         assert out.lengths.min() == 15
+
+
+@pytest.mark.parametrize("early_stopping", [True, False])
+def test_done_prompts_leave_the_batch_without_changing_results(monkeypatch, early_stopping):
+    """A prompt that is done leaves the batch (cache.select drops its rows); the results equal a run whose
+    cache cannot drop rows (every prompt decoded to the end, as Hugging Face does)."""
+    V = 24
+    model = peaked_model(V, seed=3, position="rope")
+    gen = torch.Generator().manual_seed(1)
+    rows = [torch.randint(0, V, (k,), generator=gen) for k in (3, 6, 2, 5, 4)]
+    ids, mask = left_pad(rows, pad=9)
+    eos = frequent_token(model, ids, mask, 16)
+    config = GenerationConfig(max_new_tokens=16, num_beams=3, num_return_sequences=2, eos_token_id=eos,
+                              no_repeat_ngram_size=3, early_stopping=early_stopping, **BEAM)
+    sizes = []
+    select = KVCache.select
+    monkeypatch.setattr(KVCache, "select", lambda cache, index: (sizes.append(index.numel()), select(cache, index)))
+    dropped = beam_search(model, ids, config, attention_mask=mask)
+    assert sizes and sizes[0] < 15 and sizes == sorted(sizes, reverse=True)  # prompts left, a few at a time
+    monkeypatch.setattr(KVCache, "select", None)
+    kept = beam_search(model, ids, config, attention_mask=mask)
+    assert torch.equal(dropped.sequences, kept.sequences) and torch.equal(dropped.lengths, kept.lengths)
+    torch.testing.assert_close(dropped.scores, kept.scores, atol=1e-6, rtol=1e-6)
 
 
 def test_fast_decode_path_equals_module_path():

@@ -6,6 +6,7 @@ import torch
 from tests.generation.helpers import left_pad, reference_greedy, small_model
 from tokenloom import GenerationConfig, generate, stream
 from tokenloom.errors import ConfigError, GenerationError
+from tokenloom.nn import KVCache
 
 GREEDY = dict(do_sample=False)
 
@@ -119,6 +120,40 @@ def test_eos_stops_rows_and_pads():
         want = free[i, :expected_len].tolist() if stop is None else \
             free[i, :stop + 1].tolist() + [-1] * (expected_len - stop - 1)
         assert got == want, i
+
+
+def test_stopped_rows_leave_the_batch_without_changing_results(monkeypatch):
+    """Rows that stopped (EOS) leave the batch once they are an eighth of it (cache.select); tokens equal a
+    run whose cache cannot drop rows, with padding and the repetition penalty (which reads each row's
+    history) in play."""
+    model = small_model(vocab_size=24, seed=4, position="rope")
+    gen = torch.Generator().manual_seed(2)
+    ids, mask = left_pad([torch.randint(0, 24, (k,), generator=gen) for k in (3, 6, 2, 5, 4, 7, 3, 5, 6)])
+    free = generate(model, ids, GenerationConfig(max_new_tokens=20, do_sample=False), attention_mask=mask)
+    eos = int(free[:, ids.shape[1]:].flatten().mode().values)  # a frequent token: rows stop at many steps
+    config = GenerationConfig(max_new_tokens=20, do_sample=False, eos_token_id=eos, pad_token_id=0,
+                              repetition_penalty=1.3)
+    sizes = []
+    select = KVCache.select
+    monkeypatch.setattr(KVCache, "select", lambda cache, index: (sizes.append(index.numel()), select(cache, index)))
+    dropped = generate(model, ids, config, attention_mask=mask)
+    streamed = torch.stack(list(stream(model, ids, config, attention_mask=mask)), dim=1)
+    assert len(sizes) >= 2 and sizes[0] < 9
+    monkeypatch.setattr(KVCache, "select", None)
+    kept = generate(model, ids, config, attention_mask=mask)
+    assert torch.equal(dropped, kept) and torch.equal(streamed, kept[:, ids.shape[1]:])
+
+
+def test_kv_cache_select_keeps_rows_in_new_storage():
+    cache = KVCache(2, 4, 2, 8, 3)
+    cache.kv.copy_(torch.randn_like(cache.kv))
+    cache.advance(5)
+    cache.plan = "bound to the old buffers"
+    before = cache.kv.clone()
+    cache.select(torch.tensor([3, 1]))
+    assert cache.batch_size == 2 and cache.length == 5 and cache.plan is None
+    assert torch.equal(cache.kv[:, :, :, :, :5], before[:, :, [3, 1], :, :5])
+    assert cache.layer(1)[0].data_ptr() == cache.k[1].data_ptr()  # the layer views follow the new storage
 
 
 def test_all_rows_finished_ends_early():

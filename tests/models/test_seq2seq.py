@@ -7,6 +7,7 @@ import torch
 
 from tokenloom import EncoderDecoder, GenerationConfig, Seq2SeqConfig, generate
 from tokenloom.errors import ConfigError, GenerationError
+from tokenloom.models.seq2seq import Seq2SeqCache
 
 VARIANTS = {
     "paper": {},
@@ -79,6 +80,61 @@ def test_reorder_stays_within_a_sentence():
     cache.reorder(torch.tensor([1, 1, 2, 3, 5, 4]))
     with pytest.raises(GenerationError, match="within a source sentence"):
         cache.reorder(torch.tensor([2, 1, 0, 3, 4, 5]))
+
+
+def test_select_keeps_whole_sentences():
+    model = make()
+    src, mask, _ = batch()
+    cache = model.decoder_for(src, mask).create_cache(6)  # 2 rows per sentence
+    k0 = cache.memory_kv[0][0]
+    cache.select(torch.tensor([5, 4, 1, 1]))  # sentences 2 and 0, rows reordered within each
+    assert cache.batch_size == 4 and torch.equal(cache.memory_kv[0][0], k0[[2, 0]])
+    assert torch.equal(cache.memory_mask, cache.memory_mask[[0, 1]]) and cache.memory_mask.shape[0] == 2
+    with pytest.raises(GenerationError, match="keeps whole source sentences"):
+        cache.select(torch.tensor([0, 2]))  # rows of two different sentences in one group
+
+
+@pytest.mark.parametrize("variant", ["paper", "modern"])
+def test_decode_plan_equals_module_path(variant):
+    """The one-token plan (plain functions over the cache and the memory keys/values) computes what the
+    modules compute; a forward hook switches it off."""
+    model = make(**VARIANTS[variant])
+    src, mask, tgt = batch()
+    runs = []
+    for hooked in (False, True):
+        handle = model.decoder[0].cross_attn.register_forward_hook(lambda *a: None) if hooked else None
+        decoder = model.decoder_for(src, mask)
+        cache = decoder.create_cache(6)
+        rows = tgt.repeat_interleave(2, 0)
+        with torch.no_grad():
+            runs.append(torch.cat([decoder(rows[:, t:t + 1], cache=cache) for t in range(tgt.shape[1])], dim=1))
+        assert bool(cache.plan) is not hooked
+        if handle:
+            handle.remove()
+    torch.testing.assert_close(runs[0], runs[1], atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("beams", [1, 3])
+def test_finished_sentences_leave_the_batch_without_changing_results(monkeypatch, beams):
+    model = make(seed=3, vocab_size=12)  # a small vocabulary: sentences end at many different steps
+    gen = torch.Generator().manual_seed(3)
+    src = torch.randint(3, 12, (10, 9), generator=gen)
+    lengths = torch.tensor([9, 4, 7, 2, 9, 5, 3, 8, 6, 9])
+    mask = (torch.arange(9)[None] < lengths[:, None]).long()
+    src = src * mask
+    bos = torch.full((10, 1), model.config.bos_id)
+    free = generate(model.decoder_for(src, mask), bos, GenerationConfig(max_new_tokens=15, do_sample=False))
+    eos = int(free[:, 1:].flatten().mode().values)  # a frequent token as EOS: sentences end at many steps
+    config = GenerationConfig(max_new_tokens=15, do_sample=False, num_beams=beams, eos_token_id=eos, pad_token_id=0)
+    sizes = []
+    select = Seq2SeqCache.select
+    monkeypatch.setattr(Seq2SeqCache, "select",
+                        lambda cache, index: (sizes.append(index.numel()), select(cache, index)))
+    dropped = generate(model.decoder_for(src, mask), bos, config)
+    assert sizes
+    monkeypatch.setattr(Seq2SeqCache, "select", None)
+    kept = generate(model.decoder_for(src, mask), bos, config)
+    assert torch.equal(dropped, kept)
 
 
 def test_generation_works_through_the_decoder_protocol():

@@ -7,6 +7,7 @@ It uses only the protocol every decoder shares (GPT, and an encoder-decoder's de
 
     logits = model(ids (B*N, t), positions=(B*N, t), attention_mask=(B*N, S) | None, cache=cache)
     cache = model.create_cache(B * N, T + n);  cache.reorder(index)   # row i <- old row index[i]
+    cache.select(rows)   # optional: keep only these rows (fewer), row i <- old row rows[i]
     model.config.vocab_size, model.config.max_seq_len
 
 Row ``b*N + k`` holds beam k of prompt b; ``cache.reorder`` only ever moves rows within a prompt's block of N.
@@ -32,6 +33,9 @@ B*N rows through the model per step, one KV cache of B*N rows reordered by the c
   heuristic, not exact when ``length_penalty`` > 0); or, for "never", once no live beam can beat it at any
   length (the bound uses ``max_new_tokens`` when ``length_penalty`` > 0: exact beam search). Decoding
   stops when every prompt is done or after ``max_new_tokens`` steps.
+* A prompt that is done leaves the batch: its rows are dropped from the cache (``cache.select(rows)``,
+  where the cache offers it), so the other prompts decode on fewer rows; Hugging Face keeps computing
+  finished prompts until the whole batch is done. The results are the same either way.
 * ``no_repeat_ngram_size`` = m bans every token that would complete an m-gram already in the row (prompt
   included, padding excluded; HF also matches n-grams through left padding). Banned tokens get
   log-probability -inf without renormalising the rest (as in HF). A model vocabulary padded past the
@@ -93,22 +97,21 @@ def beam_search(model: nn.Module, input_ids: Tensor, config: GenerationConfig,
         positions = torch.cat(((mask.cumsum(-1) - 1).clamp(min=0), real_len[:, None] + torch.arange(n, device=device)),
                               dim=1).repeat_interleave(N, dim=0)  # (BN, T + n)
         full_mask = torch.cat((mask, mask.new_ones(B, n)), dim=1).repeat_interleave(N, dim=0)  # (BN, T + n)
-    step_positions = positions[:, T:].split(1, dim=1)  # n x (BN, 1)
     bans = _NoRepeatNGram(config.no_repeat_ngram_size, prompt, real_len, N) if config.no_repeat_ngram_size else None
     known = getattr(tokenizer, "vocab_size", None)
     vocab_limit = known if isinstance(known, int) and known < vocab else None
 
-    # live beams: scores (B, N), new tokens (B, N, n); finished hypotheses: the same plus lengths, raw sums
+    # live beams: scores (B, N), new tokens (B, N, n); finished hypotheses: the same plus lengths, raw sums.
+    # These hold the prompts still decoding (``active``: their indices in the batch); a prompt that closes
+    # is retired into ``final`` and dropped from the batch and the cache (when the cache has ``select``).
     live_scores = torch.full((B, N), float("-inf"), device=device)
     live_scores[:, 0] = 0.0
     live_tokens = torch.full((B, N, n), pad, dtype=torch.long, device=device)
-    done_scores = torch.full((B, N), float("-inf"), device=device)
-    done_sums = torch.full((B, N), float("-inf"), device=device)
-    done_lengths = torch.zeros((B, N), dtype=torch.long, device=device)
-    done_tokens = torch.full((B, N, n), pad, dtype=torch.long, device=device)
+    done = _Hypotheses.empty(B, N, n, pad, device)
+    final = _Hypotheses.empty(B, N, n, pad, device)
+    active = torch.arange(B, device=device)
     closed = torch.zeros(B, dtype=torch.bool, device=device)  # prompts that take no more hypotheses
     in_top_n = torch.arange(K, device=device) < N  # (K,) only the best N candidates may finish
-    row_start = torch.arange(B, device=device)[:, None] * N  # (B, 1) first cache row of each prompt
     any_full = False  # some prompt holds N finished hypotheses
 
     was_training = model.training
@@ -116,81 +119,128 @@ def beam_search(model: nn.Module, input_ids: Tensor, config: GenerationConfig,
     try:
         with torch.inference_mode():
             cache = model.create_cache(BN, T + n)
+            can_drop = callable(getattr(cache, "select", None))
             tokens = prompt.repeat_interleave(N, dim=0)  # (BN, T), then (BN, 1) per step
             step_pos = positions[:, :T]
             step_mask = full_mask[:, :T] if full_mask is not None else None
             for t in range(n):
-                logits = model(tokens, positions=step_pos, attention_mask=step_mask, cache=cache)[:, -1]  # (BN, V)
+                Ba = live_scores.shape[0]  # prompts still decoding
+                logits = model(tokens, positions=step_pos, attention_mask=step_mask, cache=cache)[:, -1]  # (Ba*N, V)
                 logp = F.log_softmax(logits.float(), dim=-1)
                 if bans is not None:
                     logp.masked_fill_(bans(live_tokens[:, :, :t], logp.shape[-1]), float("-inf"))
                 if vocab_limit is not None:
                     logp[:, vocab_limit:] = float("-inf")
                 V = logp.shape[-1]
-                candidates = (live_scores.reshape(BN, 1) + logp).view(B, N * V)
-                top_sums, top_index = candidates.topk(K, dim=1)  # (B, K), best first
-                parent, token = top_index // V, top_index % V  # (B, K) beam of the prompt, next token
+                candidates = (live_scores.reshape(Ba * N, 1) + logp).view(Ba, N * V)
+                top_sums, top_index = candidates.topk(K, dim=1)  # (Ba, K), best first
+                parent, token = top_index // V, top_index % V  # (Ba, K) beam of the prompt, next token
                 last = t == n - 1  # max_new_tokens: every candidate finishes
-                ends = token == eos if eos is not None else None  # (B, K) candidates that end in EOS
+                ends = token == eos if eos is not None else None  # (Ba, K) candidates that end in EOS
                 finishing = last or (ends is not None and bool(ends[:, :N].any()))  # among the best N
 
                 if finishing:  # merge the new finished hypotheses into each prompt's N best
-                    cand_tokens = live_tokens.gather(1, parent[:, :, None].expand(-1, -1, n))  # (B, K, n)
+                    cand_tokens = live_tokens.gather(1, parent[:, :, None].expand(-1, -1, n))  # (Ba, K, n)
                     cand_tokens[:, :, t] = token
                     new = in_top_n & ~closed[:, None] & (top_sums > float("-inf"))
                     if not last:
                         new &= ends
                     new_scores = (top_sums / ((t + 1) ** lp)).masked_fill(~new, float("-inf"))
-                    merged = torch.cat((done_scores, new_scores), dim=1)  # (B, N + K)
-                    keep = merged.topk(N, dim=1).indices  # (B, N), best first
-                    done_scores = merged.gather(1, keep)
-                    done_sums = torch.cat((done_sums, top_sums), dim=1).gather(1, keep)
-                    new_lengths = done_lengths.new_full((B, K), t + 1)
-                    done_lengths = torch.cat((done_lengths, new_lengths), dim=1).gather(1, keep)
-                    keep = keep[:, :, None].expand(-1, -1, n)
-                    done_tokens = torch.cat((done_tokens, cand_tokens), dim=1).gather(1, keep)
+                    done = done.merge(new_scores, top_sums, t + 1, cand_tokens)
                     if last:
                         break
-                    any_full = bool((done_scores[:, -1] > float("-inf")).any())  # sorted: the last is the worst
+                    any_full = bool((done.scores[:, -1] > float("-inf")).any())  # sorted: the last is the worst
 
                     # live beams: the N best candidates that did not end
                     open_sums = top_sums.masked_fill(ends, float("-inf"))
-                    chosen = open_sums.topk(N, dim=1).indices  # (B, N)
+                    chosen = open_sums.topk(N, dim=1).indices  # (Ba, N)
                     live_scores = open_sums.gather(1, chosen)
                     live_tokens = cand_tokens.gather(1, chosen[:, :, None].expand(-1, -1, n))
-                    beams = parent.gather(1, chosen)  # (B, N)
+                    beams = parent.gather(1, chosen)  # (Ba, N)
                 else:  # none of the best N ended: they are the live beams
                     live_scores, beams = top_sums[:, :N], parent[:, :N]
                     live_tokens = live_tokens.gather(1, beams[:, :, None].expand(-1, -1, n))
                     live_tokens[:, :, t] = token[:, :N]
 
                 if any_full:  # close the prompts whose N finished hypotheses the live beams cannot beat
-                    full = done_scores[:, -1] > float("-inf")
+                    full = done.scores[:, -1] > float("-inf")
                     if config.early_stopping is True:
                         closed |= full
                     else:
                         length = n if config.early_stopping == "never" and lp > 0 else t + 1
-                        closed |= full & (live_scores[:, 0] / (length ** lp) <= done_scores[:, -1])
+                        closed |= full & (live_scores[:, 0] / (length ** lp) <= done.scores[:, -1])
                     if bool(closed.all()):
                         break
-                cache.reorder((beams + row_start).view(BN))
-                tokens = live_tokens[:, :, t].reshape(BN, 1)
-                step_pos = step_positions[t]
+                rows = beams + torch.arange(Ba, device=device)[:, None] * N  # (Ba, N) cache row of each new beam
+                if can_drop and bool(closed.any()):  # retire the closed prompts, keep decoding the others
+                    final.store(active[closed], done.take(closed))
+                    keep = (~closed).nonzero().view(-1)
+                    kept_rows = (keep[:, None] * N + torch.arange(N, device=device)).view(-1)
+                    active, closed, done = active[keep], closed[keep], done.take(keep)
+                    live_scores, live_tokens = live_scores[keep], live_tokens[keep]
+                    positions = positions[kept_rows]
+                    full_mask = full_mask[kept_rows] if full_mask is not None else None
+                    if bans is not None:
+                        bans.select(kept_rows)
+                    cache.select(rows[keep].view(-1))
+                else:
+                    cache.reorder(rows.view(-1))
+                tokens = live_tokens[:, :, t].reshape(-1, 1)
+                step_pos = positions[:, T + t:T + t + 1]
                 if full_mask is not None:
                     step_mask = full_mask[:, :T + t + 1]
     finally:
         model.train(was_training)
 
-    empty = done_scores == float("-inf")  # slots no hypothesis reached (degenerate cases only)
-    done_sums = done_sums.masked_fill(empty, float("-inf"))
-    done_lengths = done_lengths.masked_fill(empty, 0)
-    done_tokens = done_tokens.masked_fill(empty[:, :, None], pad)
+    final.store(active, done)
+    empty = final.scores == float("-inf")  # slots no hypothesis reached (degenerate cases only)
+    done_sums = final.sums.masked_fill(empty, float("-inf"))
+    done_lengths = final.lengths.masked_fill(empty, 0)
+    done_tokens = final.tokens.masked_fill(empty[:, :, None], pad)
     R = config.num_return_sequences
     lengths = done_lengths[:, :R]
     L = int(lengths.max())
     sequences = torch.cat((input_ids[:, None].expand(B, R, T), done_tokens[:, :R, :L]), dim=2)
-    return BeamOutput(sequences=sequences, scores=done_scores[:, :R].clone(),  # clone: not an inference tensor
+    return BeamOutput(sequences=sequences, scores=final.scores[:, :R].clone(),  # clone: not an inference tensor
                       log_probs=done_sums[:, :R], lengths=lengths)
+
+
+class _Hypotheses(NamedTuple):
+    """Each prompt's N best finished hypotheses, best first: scores (P, N) (ranking), sums (P, N) (raw
+    log-probabilities), lengths (P, N), tokens (P, N, n)."""
+
+    scores: Tensor
+    sums: Tensor
+    lengths: Tensor
+    tokens: Tensor
+
+    @classmethod
+    def empty(cls, P: int, N: int, n: int, pad: int, device: torch.device) -> _Hypotheses:
+        inf = float("-inf")
+        return cls(torch.full((P, N), inf, device=device), torch.full((P, N), inf, device=device),
+                   torch.zeros((P, N), dtype=torch.long, device=device),
+                   torch.full((P, N, n), pad, dtype=torch.long, device=device))
+
+    def merge(self, scores: Tensor, sums: Tensor, length: int, tokens: Tensor) -> _Hypotheses:
+        """Keep the N best of these and K new candidates: scores (P, K) (-inf: not a hypothesis), raw
+        sums (P, K), one length, tokens (P, K, n)."""
+        P, N = self.scores.shape
+        merged = torch.cat((self.scores, scores), dim=1)  # (P, N + K)
+        keep = merged.topk(N, dim=1).indices  # (P, N), best first
+        lengths = torch.cat((self.lengths, self.lengths.new_full(scores.shape, length)), dim=1)
+        return _Hypotheses(merged.gather(1, keep), torch.cat((self.sums, sums), dim=1).gather(1, keep),
+                           lengths.gather(1, keep),
+                           torch.cat((self.tokens, tokens), dim=1).gather(1, keep[:, :, None].expand(-1, -1,
+                                                                                                    tokens.shape[2])))
+
+    def take(self, index: Tensor) -> _Hypotheses:
+        """The prompts ``index`` (indices or a bool mask)."""
+        return _Hypotheses(*(x[index] for x in self))
+
+    def store(self, prompts: Tensor, other: _Hypotheses) -> None:
+        """Write ``other``'s rows into this one's rows ``prompts``."""
+        for mine, theirs in zip(self, other, strict=True):
+            mine[prompts] = theirs
 
 
 class _NoRepeatNGram:
@@ -200,6 +250,10 @@ class _NoRepeatNGram:
         self.m, self.N = size, num_beams
         self.prompt = prompt.repeat_interleave(num_beams, dim=0)  # (BN, T)
         self.pad_len = (prompt.shape[1] - real_len).repeat_interleave(num_beams)  # (BN,) padding per row
+
+    def select(self, rows: Tensor) -> None:
+        """Keep only the beams ``rows`` (the prompts still decoding)."""
+        self.prompt, self.pad_len = self.prompt[rows], self.pad_len[rows]
 
     def __call__(self, new_tokens: Tensor, vocab: int) -> Tensor:
         """(B, N, t) new tokens -> (BN, V) bool: banned next tokens."""

@@ -16,6 +16,8 @@ The model protocol (:class:`tokenloom.models.GPT` follows it)::
   over a tail window of the new tokens); the tokens that completed the stop string stay in the output,
   and every later position of that row holds ``pad_token_id``. Decoding ends when all rows have
   stopped or after ``max_new_tokens`` steps.
+* Stopped rows leave the batch once they are an eighth of it (``cache.select(rows)``, where the model's
+  cache offers it): the rows still decoding run on a smaller batch. The results are the same.
 * :func:`generate` is :func:`stream` run to the end; both run under ``torch.inference_mode()`` with the
   model in eval mode (its previous mode is restored afterwards).
 """
@@ -116,8 +118,7 @@ class _Decoding:
                                    lengths + torch.arange(n, device=device)), dim=1)  # (B, T + n)
             self.mask = torch.cat((mask, mask.new_ones(B, n)), dim=1)  # (B, T + n)
         self.positions = positions
-        # per-step views, made once: the inputs' positions and the output columns
-        self.step_positions = positions[:, T:].split(1, dim=1)  # n x (B, 1)
+        # per-step views of the output, made once
         self.columns = self.sequences[:, T:].split(1, dim=1)  # n x (B, 1)
         self.yielded = self.sequences[:, T:].unbind(1)  # n x (B,)
         self.processors = create_processors(config)
@@ -153,7 +154,7 @@ class _Decoding:
         model, config, sequences = self.model, self.config, self.sequences
         B, T, n = sequences.shape[0], self.prompt_len, config.max_new_tokens
         processors, generator, greedy = self.processors, self.generator, config.greedy
-        columns, yielded, step_positions = self.columns, self.yielded, self.step_positions
+        columns, yielded = self.columns, self.yielded
         full_mask = self.mask if self.padded else None
         eos, pad = config.eos_token_id, config.pad_token_id
         stops = StopStrings(config.stop_strings, self.tokenizer, B) if config.stop_strings else None
@@ -165,23 +166,32 @@ class _Decoding:
             finished = torch.zeros(B, 1, dtype=torch.bool, device=sequences.device)  # rows that stopped
             with inference:
                 cache = model.create_cache(B, T + n)
-            tokens, positions = sequences[:, :T], self.positions[:, :T]  # the prompt, then (B, 1) per step
+            can_drop = track and callable(getattr(cache, "select", None))
+            rows = None  # the rows still decoding (their batch indices) once stopped rows were dropped; None: all
+            tokens, positions = sequences[:, :T], self.positions  # the prompt, then (A, 1) per step
             mask = full_mask[:, :T] if full_mask is not None else None
+            step_pos = positions[:, :T]
             for t in range(n):
                 with inference:
-                    logits = model(tokens, positions=positions, attention_mask=mask, cache=cache)  # (B, T|1, V)
-                    scores = logits[:, -1]  # (B, V)
+                    logits = model(tokens, positions=step_pos, attention_mask=mask, cache=cache)  # (A, T|1, V)
+                    scores = logits[:, -1]  # (A, V)
                     if scores.dtype != torch.float32:
                         scores = scores.float()
                     if processors:
-                        scores = processors(sequences[:, :T + t], scores)
+                        history = sequences[:, :T + t]
+                        scores = processors(history if rows is None else history[rows], scores)
                     if self.vocab_limit is not None:
                         scores[:, self.vocab_limit:] = float("-inf")
                     if greedy:
-                        tokens = scores.argmax(-1, keepdim=True)  # (B, 1)
+                        tokens = scores.argmax(-1, keepdim=True)  # (A, 1)
                     else:
-                        tokens = torch.multinomial(scores.softmax(-1), 1, generator=generator)  # (B, 1)
-                    if track:
+                        tokens = torch.multinomial(scores.softmax(-1), 1, generator=generator)  # (A, 1)
+                    if rows is not None:
+                        columns[t].fill_(pad)
+                        columns[t][rows] = tokens.masked_fill(finished[rows], pad)
+                        if eos is not None:
+                            finished[rows] |= tokens == eos
+                    elif track:
                         columns[t].copy_(tokens.masked_fill(finished, pad))
                         if eos is not None:
                             finished |= tokens == eos
@@ -192,7 +202,16 @@ class _Decoding:
                 yield yielded[t]
                 if track and bool(finished.all()):
                     return
-                positions = step_positions[t]
+                if can_drop:  # drop the stopped rows from the batch once they are an eighth of it
+                    live = ~(finished if rows is None else finished[rows]).view(-1)  # (A,)
+                    if 8 * (live.numel() - int(live.sum())) >= live.numel():
+                        keep = live.nonzero().view(-1)
+                        with inference:
+                            cache.select(keep)
+                            rows = keep if rows is None else rows[keep]
+                            tokens, positions = tokens[keep], positions[keep]
+                            full_mask = full_mask[keep] if full_mask is not None else None
+                step_pos = positions[:, T + t:T + t + 1]
                 if full_mask is not None:
                     mask = full_mask[:, :T + t + 1]
         finally:

@@ -17,10 +17,8 @@ hooks on any submodule switch this off (the modules are then called as usual).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from functools import partial
-from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -30,7 +28,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import check
 from ..errors import ConfigError, GenerationError
 from ..nn import POSITIONS, KVCache, create_block, create_norm
-from ..nn.block import StepFunction, inference_function
+from ..nn.block import DecodePlan, has_forward_hooks, inference_function
 from ..nn.dropout import Dropout
 from ..nn.masks import additive_mask, causal_mask, padding_mask, positions_from_mask
 from ..nn.positions import Position
@@ -91,15 +89,6 @@ GPT_PRESETS: dict[str, dict] = {
     "llama-tiny": dict(num_layers=4, num_heads=8, num_kv_heads=2, embed_dim=256, max_seq_len=256,
                        position="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False),
 }
-
-
-class DecodePlan(NamedTuple):
-    """Plain functions for one-token eval steps, bound to one cache (see the module docstring)."""
-
-    steps: list[StepFunction]  # per block: (x (B, C), pos, attn_mask, rope) -> (B, C)
-    final_norm: Callable[[Tensor], Tensor]
-    embed: Callable[[Tensor], Tensor]  # (B, 1) ids -> (B, 1, C)
-    head: Callable[[Tensor], Tensor]  # (B, 1, C) -> (B, 1, V)
 
 
 class GPT(nn.Module):
@@ -235,8 +224,7 @@ class GPT(nn.Module):
     def _decode_plan(self, cache: KVCache) -> DecodePlan | bool:
         """Build the :class:`DecodePlan` bound to ``cache`` and keep it on ``cache.plan``; False (call the
         modules) when a submodule has forward hooks or a block has no ``inference_step``."""
-        hooks = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
-        hooked = any(hooks) or any(m._forward_hooks or m._forward_pre_hooks for m in self.modules() if m is not self)
+        hooked = has_forward_hooks(self)
         steps = [] if hooked else [getattr(b, "inference_step", lambda kv: None)(cache.layer_kv(i))
                                    for i, b in enumerate(self.blocks)]
         cache.plan = False

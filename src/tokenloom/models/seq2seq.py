@@ -17,21 +17,29 @@ attention_mask=, cache=)``, ``create_cache``, ``config.vocab_size``, ``config.ma
 sampling and beam search from :mod:`tokenloom.generation` work unchanged. Its cache
 (:class:`Seq2SeqCache`) holds the decoder's self-attention keys and values and every layer's
 cross-attention keys and values, computed once per source sentence and shared by that sentence's beams.
+
+A one-token decode step with a cache in eval mode runs a :class:`~tokenloom.nn.block.DecodePlan`, as GPT
+does: each decoder block's ``inference_step`` (self-attention over the cache, cross-attention over the
+precomputed memory keys and values, MLP) as plain functions without ``nn.Module`` call overhead, built
+once per cache and kept on ``cache.plan``; forward hooks on a submodule switch it off.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config import check
 from ..errors import GenerationError
 from ..nn import POSITIONS, KVCache, create_block, create_norm
+from ..nn.block import DecodePlan, has_forward_hooks, inference_function
 from ..nn.dropout import Dropout
 from ..nn.masks import additive_mask, causal_mask, padding_mask
 from ..nn.positions import Position
@@ -195,6 +203,10 @@ class EncoderDecoder(nn.Module):
                                   f"{self.config.max_target_len}")
         if positions is None:
             positions = torch.arange(past, past + T, device=target.device)[None].expand(B, T)
+        if T == 1 and cache is not None and not self.training:
+            plan = cache.plan if cache.plan is not None else self._decode_plan(cache)
+            if plan:
+                return self._decode_step(plan, target, positions, cache)
         x = self._embed(target, self.tgt_embed, self.tgt_position, positions)
         dtype = self._mask_dtype(x)
         rope = self.tgt_position.rotary(positions)
@@ -217,6 +229,36 @@ class EncoderDecoder(nn.Module):
         if cache is not None:
             cache.advance(T)
         return self.lm_head(self.decoder_norm(x))
+
+    def _decode_plan(self, cache: Seq2SeqCache) -> DecodePlan | bool:
+        """Build the decode plan bound to ``cache`` (its self-attention buffers, memory keys/values and
+        mask) and keep it on ``cache.plan``; False (call the modules) when a submodule has forward hooks."""
+        cache.plan = False
+        if not has_forward_hooks(self):
+            steps = [block.inference_step(cache.layer_kv(i), cache.memory_kv[i], cache.memory_mask)
+                     for i, block in enumerate(self.decoder)]
+            if None not in steps:
+                head = self.lm_head
+                cache.plan = DecodePlan(steps=steps, final_norm=inference_function(self.decoder_norm),
+                                        embed=partial(torch.embedding, self.tgt_embed.weight),
+                                        head=partial(F.linear, weight=head.weight, bias=head.bias))
+        return cache.plan
+
+    def _decode_step(self, plan: DecodePlan, target: Tensor, positions: Tensor, cache: Seq2SeqCache) -> Tensor:
+        """One eval-mode position per row through ``plan``: the same computation as the module path."""
+        B, past = target.shape[0], cache.length
+        x = plan.embed(target.view(B))  # (B, C)
+        if self.embed_scale != 1.0:
+            x = x * self.embed_scale
+        added = self.tgt_position.embed(positions)  # (B, 1, C) | None
+        if added is not None:
+            x = x + added.view(B, -1)
+        attn_mask, _ = self._self_attention_mask(1, past, target.device, self._mask_dtype(x))
+        rope = self.tgt_position.rotary(positions)
+        for step in plan.steps:
+            x = step(x, past, attn_mask, rope)
+        cache.advance(1)
+        return plan.head(plan.final_norm(x)).view(B, 1, -1)
 
     def _self_attention_mask(self, T: int, past: int, device: torch.device,
                              dtype: torch.dtype) -> tuple[Tensor | None, bool]:
@@ -265,6 +307,20 @@ class Seq2SeqCache(KVCache):
             if not bool((index // self.group == rows // self.group).all()):
                 raise GenerationError("a Seq2SeqCache can only reorder rows within a source sentence's group")
         super().reorder(index)
+
+    def select(self, index: Tensor) -> None:
+        """Keep the rows ``index`` of whole sentences (each sentence's ``group`` rows, reordered within the
+        group as in :meth:`reorder`) and those sentences' memory keys, values and mask."""
+        g = self.group
+        rows = index.view(-1, g)
+        sentences = rows[:, 0] // g
+        if index.numel() % g or not bool((rows // g == sentences[:, None]).all()):
+            raise GenerationError("a Seq2SeqCache keeps whole source sentences: rows in groups of "
+                                  f"{g}, each within its own sentence's group")
+        super().select(index)
+        self.memory_kv = [(k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in self.memory_kv]
+        if self.memory_mask is not None:
+            self.memory_mask = self.memory_mask.index_select(0, sentences)
 
 
 class _DecoderConfig:

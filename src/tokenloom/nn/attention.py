@@ -200,3 +200,30 @@ class MultiHeadAttention(nn.Module):
             return F.linear(out.reshape(B, H * D), w_out, b_out)  # (B, H, 1, D) -> (B, C)
 
         return step
+
+    def cross_inference_step(self, memory_kv: tuple[Tensor, Tensor],
+                             memory_mask: Tensor | None) -> Callable[[Tensor], Tensor]:
+        """A plain function for one eval-mode decode step of cross-attention over precomputed memory keys and
+        values (:meth:`memory_kv`, each (Bm, Hkv, S, D)) and the memory's additive mask (Bm, 1, 1, S) | None,
+        the same computation as ``forward`` with T = 1, on one position per row::
+
+            step(x (B, C)) -> (B, C)      # B = Bm * g: each group of g rows (beams) attends to one memory row
+
+        The group is folded into the query length, as in ``forward``.
+        """
+        if not self.cross:
+            raise ValueError("cross_inference_step is for cross-attention")
+        H, D = self.num_heads, self.head_dim
+        w_q, b_q = self.q_proj.weight, self.q_proj.bias
+        w_out, b_out = self.out_proj.weight, self.out_proj.bias
+        backend = self.backend
+        k, v = memory_kv
+        Bm = k.shape[0]
+
+        def step(x: Tensor) -> Tensor:
+            B = x.shape[0]
+            q = F.linear(x, w_q, b_q).view(Bm, B // Bm, H, D).transpose(1, 2)  # (Bm, H, g, D)
+            out, _ = backend(q, k, v, memory_mask, False, 0.0, False)  # (Bm, H, g, D)
+            return F.linear(out.transpose(1, 2).reshape(B, H * D), w_out, b_out)
+
+        return step

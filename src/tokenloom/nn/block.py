@@ -6,14 +6,17 @@
 A decoder block of an encoder-decoder model adds a cross-attention sublayer between the two.
 Shapes: x (B, T, C); memory (B, S, C).
 
-``inference_step(kv)`` returns a plain function for one eval-mode decode step of a self-attention block
-over its cache ``kv``, on x (B, C) (one position per row), computed without ``nn.Module`` call overhead
-(None for cross-attention blocks); see :meth:`MultiHeadAttention.inference_step`.
+``inference_step(kv, memory_kv, memory_mask)`` returns a plain function for one eval-mode decode step of
+a block over its self-attention cache ``kv`` (and, for a decoder block with cross-attention, the memory's
+precomputed keys and values and its additive mask), on x (B, C) (one position per row), computed without
+``nn.Module`` call overhead; see :meth:`MultiHeadAttention.inference_step` and
+:meth:`MultiHeadAttention.cross_inference_step`. A cross-attention block given no ``memory_kv`` returns None.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import NamedTuple
 
 from torch import Tensor, nn
 
@@ -28,6 +31,22 @@ BLOCKS: Registry[type[nn.Module]] = Registry("norm placement")
 
 Rope = tuple[Tensor, Tensor] | None
 StepFunction = Callable[[Tensor, int, Tensor | None, Rope], Tensor]
+
+
+class DecodePlan(NamedTuple):
+    """Plain functions for one-token eval steps of a decoder, bound to one cache (kept on ``cache.plan``)."""
+
+    steps: list[StepFunction]  # per block: (x (B, C), pos, attn_mask, rope) -> (B, C)
+    final_norm: Callable[[Tensor], Tensor]
+    embed: Callable[[Tensor], Tensor]  # ids (any shape) -> embeddings (..., C)
+    head: Callable[[Tensor], Tensor]  # (..., C) -> (..., V)
+
+
+def has_forward_hooks(module: nn.Module) -> bool:
+    """True when a submodule of ``module`` (not itself) or the global registry has forward (pre-)hooks: a
+    decode plan would bypass them, so the modules must be called as usual."""
+    hooks = (nn.modules.module._global_forward_hooks, nn.modules.module._global_forward_pre_hooks)
+    return any(hooks) or any(m._forward_hooks or m._forward_pre_hooks for m in module.modules() if m is not module)
 
 
 def inference_function(module: nn.Module) -> Callable[[Tensor], Tensor]:
@@ -57,10 +76,18 @@ class _Block(nn.Module):
         self.norm2 = create_norm(norm, embed_dim, bias=bias, eps=norm_eps)
         self.resid_dropout = Dropout(dropout)
 
-    def _inference_parts(self, kv: Tensor) -> tuple[Callable, Callable, Callable, Callable]:
-        """(attention step over ``kv``, norm1, norm2, mlp) as plain functions for a decode step."""
-        return (self.attn.inference_step(kv), inference_function(self.norm1), inference_function(self.norm2),
-                inference_function(self.mlp))
+    def _inference_parts(self, kv: Tensor, memory_kv: tuple[Tensor, Tensor] | None,
+                         memory_mask: Tensor | None) -> tuple[Callable, ...] | None:
+        """(attention step over ``kv``, norm1, cross-attention step | None, its norm | None, norm2, mlp) as
+        plain functions for a decode step; None when the block has cross-attention but no ``memory_kv``."""
+        cross = cross_norm = None
+        if self.cross_attn is not None:
+            if memory_kv is None:
+                return None
+            cross = self.cross_attn.cross_inference_step(memory_kv, memory_mask)
+            cross_norm = inference_function(self.norm_cross)
+        return (self.attn.inference_step(kv), inference_function(self.norm1), cross, cross_norm,
+                inference_function(self.norm2), inference_function(self.mlp))
 
 
 @BLOCKS.register("pre")
@@ -75,14 +102,22 @@ class PreNormBlock(_Block):
             x = x + self.resid_dropout(h)
         return x + self.mlp(self.norm2(x)), weights
 
-    def inference_step(self, kv: Tensor) -> StepFunction | None:
-        if self.cross_attn is not None:
+    def inference_step(self, kv: Tensor, memory_kv: tuple[Tensor, Tensor] | None = None,
+                       memory_mask: Tensor | None = None) -> StepFunction | None:
+        parts = self._inference_parts(kv, memory_kv, memory_mask)
+        if parts is None:
             return None
-        attn, norm1, norm2, mlp = self._inference_parts(kv)
+        attn, norm1, cross, cross_norm, norm2, mlp = parts
 
-        def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: Rope) -> Tensor:
-            x = x + attn(norm1(x), pos, attn_mask, rope)
-            return x + mlp(norm2(x))
+        if cross is None:
+            def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: Rope) -> Tensor:
+                x = x + attn(norm1(x), pos, attn_mask, rope)
+                return x + mlp(norm2(x))
+        else:
+            def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: Rope) -> Tensor:
+                x = x + attn(norm1(x), pos, attn_mask, rope)
+                x = x + cross(cross_norm(x))
+                return x + mlp(norm2(x))
 
         return step
 
@@ -99,14 +134,22 @@ class PostNormBlock(_Block):
             x = self.norm_cross(x + self.resid_dropout(h))
         return self.norm2(x + self.mlp(x)), weights
 
-    def inference_step(self, kv: Tensor) -> StepFunction | None:
-        if self.cross_attn is not None:
+    def inference_step(self, kv: Tensor, memory_kv: tuple[Tensor, Tensor] | None = None,
+                       memory_mask: Tensor | None = None) -> StepFunction | None:
+        parts = self._inference_parts(kv, memory_kv, memory_mask)
+        if parts is None:
             return None
-        attn, norm1, norm2, mlp = self._inference_parts(kv)
+        attn, norm1, cross, cross_norm, norm2, mlp = parts
 
-        def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: Rope) -> Tensor:
-            x = norm1(x + attn(x, pos, attn_mask, rope))
-            return norm2(x + mlp(x))
+        if cross is None:
+            def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: Rope) -> Tensor:
+                x = norm1(x + attn(x, pos, attn_mask, rope))
+                return norm2(x + mlp(x))
+        else:
+            def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: Rope) -> Tensor:
+                x = norm1(x + attn(x, pos, attn_mask, rope))
+                x = cross_norm(x + cross(x))
+                return norm2(x + mlp(x))
 
         return step
 

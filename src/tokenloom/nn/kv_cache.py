@@ -25,14 +25,10 @@ class KVCache:
 
     def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, max_len: int, head_dim: int,
                  dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
-        self.kv = torch.zeros((num_layers, 2, batch_size, num_kv_heads, max_len, head_dim), dtype=dtype,
-                              device=device)
-        self.k, self.v = self.kv[:, 0], self.kv[:, 1]  # (L, B, Hkv, max_len, D) each
         self.max_len = max_len
         self.length = 0
-        self.plan: Any = None
-        self._spare: Tensor | None = None  # reorder's gather buffer, allocated on first use
-        self._layers = [(self.k[i], self.v[i]) for i in range(num_layers)]
+        self._set_storage(torch.zeros((num_layers, 2, batch_size, num_kv_heads, max_len, head_dim), dtype=dtype,
+                                      device=device))  # also k, v: (L, B, Hkv, max_len, D) views
 
     @property
     def batch_size(self) -> int:
@@ -52,6 +48,24 @@ class KVCache:
     def reset(self) -> None:
         self.length = 0
         self.plan = None
+
+    def select(self, index: Tensor) -> None:
+        """Keep only batch rows ``index`` (any number; row ``i`` becomes the old row ``index[i]``), in new
+        storage: decoding drops the rows that finished. The :meth:`layer` views are rebuilt and ``plan`` is
+        dropped (a model rebuilds it on its next step)."""
+        L, two, _, Hkv, max_len, D = self.kv.shape
+        kv = self.kv.new_empty((L, two, index.numel(), Hkv, max_len, D))
+        n = self.length
+        if n:
+            kv[..., :n, :] = self.kv[..., :n, :].index_select(2, index)
+        self._set_storage(kv)
+
+    def _set_storage(self, kv: Tensor) -> None:
+        self.kv = kv
+        self.k, self.v = kv[:, 0], kv[:, 1]
+        self._layers = [(self.k[i], self.v[i]) for i in range(kv.shape[0])]
+        self._spare: Tensor | None = None  # reorder's gather buffer, allocated on first use
+        self.plan: Any = None
 
     def reorder(self, index: Tensor) -> None:
         """Keep batch rows ``index`` (beam search): row ``i`` becomes the old row ``index[i]``. The rows are
