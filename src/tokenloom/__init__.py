@@ -2,10 +2,10 @@
 
 from .errors import TokenloomError
 from .generation import GenerationConfig, generate, stream
-from .models import GPT, EncoderDecoder, GPTConfig, Seq2SeqConfig
+from .models import GPT, EncoderDecoder, GPTConfig, Seq2SeqConfig, Swin, SwinConfig, ViT, ViTConfig
 from .tasks.translation import translate
 
 __version__ = "0.1.0"
 
-__all__ = ["GPT", "EncoderDecoder", "GPTConfig", "GenerationConfig", "Seq2SeqConfig", "TokenloomError", "__version__",
-           "generate", "stream", "translate"]
+__all__ = ["GPT", "EncoderDecoder", "GPTConfig", "GenerationConfig", "Seq2SeqConfig", "Swin", "SwinConfig",
+           "TokenloomError", "ViT", "ViTConfig", "__version__", "generate", "stream", "translate"]

@@ -46,7 +46,7 @@ def test_data_files_pair_up():
 
 
 def test_registry_names():
-    assert METRICS.names() == ["bleu", "chrf", "exact_match", "rouge"]
+    assert METRICS.names() == ["accuracy", "bleu", "chrf", "exact_match", "rouge"]
 
 
 def test_bleu_and_chrf_equal_sacrebleu(result):
@@ -136,7 +136,8 @@ def test_unknown_metric_is_config_error_with_suggestion():
     with pytest.raises(ConfigError) as err:
         compute_metrics(["bleu", "rogue"], HYPS, REFS)
     msg = _one_line(err)
-    assert "'rogue'" in msg and "did you mean 'rouge'" in msg and "known: bleu, chrf, exact_match, rouge" in msg
+    assert "'rogue'" in msg and "did you mean 'rouge'" in msg
+    assert "known: accuracy, bleu, chrf, exact_match, rouge" in msg
 
 
 def test_unknown_metric_reported_before_data_errors():
@@ -147,7 +148,7 @@ def test_unknown_metric_reported_before_data_errors():
 def test_no_metrics_is_config_error():
     with pytest.raises(ConfigError) as err:
         compute_metrics([], HYPS, REFS)
-    assert "known: bleu" in _one_line(err)
+    assert "known: accuracy, bleu" in _one_line(err)
 
 
 def test_length_mismatch_is_data_error():

@@ -32,6 +32,8 @@ def train(args: argparse.Namespace) -> int:
             raise ConfigError(f"{out} already holds a checkpoint: add --resume to continue it, or choose "
                               f"another --out")
         config = load_run_config(args.recipe, args.overrides)
+    if args.sample and config.task == "image_classification":
+        raise ConfigError("--sample applies to language models; try `tokenloom classify RUN IMAGE` after training")
     trainer = setup_run(config, out, resume=args.resume)
     n_params = sum(p.numel() for p in trainer.model.parameters())
     t = config.train
@@ -39,7 +41,9 @@ def train(args: argparse.Namespace) -> int:
           f"{t.max_steps} steps from step {trainer.step} -> {out}", file=sys.stderr)
     summary = trainer.fit()
     print(f"step {summary['step']}: train_loss {summary['train_loss']:.4f}  "
-          f"val_loss {summary.get('val_loss', float('nan')):.4f}  ({summary['stopped_by']}, "
+          f"val_loss {summary.get('val_loss', float('nan')):.4f}  "
+          + (f"val_acc {summary['val_acc']:.2f}  " if "val_acc" in summary else "")
+          + f"({summary['stopped_by']}, "
           f"{summary['seconds']:.0f}s)", file=sys.stderr)
     print(f"checkpoint: {trainer.checkpoint_dir}", file=sys.stderr)
     if args.sample:
@@ -114,6 +118,9 @@ def _stream_text(model, tokenizer, prompt: str, config) -> str:
 def generate(args: argparse.Namespace) -> int:
     if args.num_samples < 1:
         raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
+    from .vision import refuse_image_checkpoint
+
+    refuse_image_checkpoint(args.checkpoint, "generate", "`tokenloom classify`")
     model, _ = load_model(args.checkpoint, dtype=_DTYPES[args.precision])
     tokenizer = load_tokenizer(args.checkpoint)
     if getattr(model, "decoder_for", None) is not None:
@@ -165,6 +172,10 @@ def evaluate(args: argparse.Namespace) -> int:
 
     ckpt = resolve_checkpoint(args.checkpoint)
     config = read_config(ckpt)
+    if config.get("task") == "image_classification":
+        from .vision import evaluate_image
+
+        return evaluate_image(args, ckpt, config)
     if config.get("task", "lm") == "translation" or (config.get("model") or {}).get("family") == "seq2seq":
         return _evaluate_translation(args, ckpt, config)
     if args.split not in ("train", "val"):
@@ -181,7 +192,7 @@ def evaluate(args: argparse.Namespace) -> int:
     seq_len = (config.get("train") or {}).get("seq_len") or model.config.max_seq_len
     with tempfile.TemporaryDirectory(prefix="tokenloom-eval-") as tmp:
         dataset = TextDataset.prepare(path, tokenizer, tmp, val_fraction=data.get("val_fraction", 0.1))
-        task = LMTask(dataset, batch_size=args.batch_size, seq_len=seq_len)
+        task = LMTask(dataset, batch_size=args.batch_size or 16, seq_len=seq_len)
         start = time.perf_counter()
         metrics = task.evaluate(model, max_batches=args.batches, split=args.split)
         seconds = time.perf_counter() - start
@@ -207,10 +218,11 @@ def import_(args: argparse.Namespace) -> int:
     from ..interop import import_hf
 
     out = import_hf(args.source, args.out, dtype=_dtype(args.dtype), force=args.force)
-    model_config = read_config(out)["model"]
-    print(f"imported {args.source} -> {out} ({model_config.get('num_layers')} layers, "
-          f"embed_dim {model_config.get('embed_dim')}, vocab {model_config.get('vocab_size')}"
-          f"{', with tokenizer' if (out / 'tokenizer.json').is_file() else ', no tokenizer.json'})")
+    m = read_config(out)["model"]
+    layers = m.get("num_layers", m.get("depths") or f"{m.get('encoder_layers')}+{m.get('decoder_layers')}")
+    size = f"vocab {m['vocab_size']}" if "vocab_size" in m else f"{m.get('num_classes')} classes"
+    print(f"imported {args.source} -> {out} ({m.get('family')}, {layers} layers, embed_dim {m.get('embed_dim')}, "
+          f"{size}{', with tokenizer' if (out / 'tokenizer.json').is_file() else ', no tokenizer.json'})")
     return 0
 
 
@@ -302,3 +314,9 @@ def _evaluate_translation(args: argparse.Namespace, ckpt: Path, config: dict) ->
         print(f"{ckpt}: {what}, beam {args.beam}, {seconds:.1f} s")
         print(format_metrics(result))
     return 0
+
+
+def classify(args: argparse.Namespace) -> int:
+    from .vision import classify as run
+
+    return run(args)

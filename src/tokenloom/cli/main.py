@@ -1,4 +1,4 @@
-"""``tokenloom train | generate | evaluate | translate | import | export``.
+"""``tokenloom train | generate | evaluate | translate | classify | import | export``.
 
 Errors a user can cause print one line (``error: ...``) and exit with status 2; Ctrl-C exits 130.
 """
@@ -50,19 +50,25 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("evaluate", help="validation loss, perplexity and throughput of a checkpoint")
+    p = sub.add_parser("evaluate", help="evaluate a checkpoint: loss and perplexity (lm), BLEU (translation), "
+                       "accuracy and confusion matrix (image classification)")
     p.add_argument("checkpoint", help="checkpoint or run directory")
-    p.add_argument("--data", default=None, help="text file (default: the one the checkpoint was trained on)")
+    p.add_argument("--data", default=None, help="lm: text file; image: data folder (default: the one the "
+                   "checkpoint was trained on)")
     p.add_argument("--split", default="val", help="lm: train | val; translation: any split of the recipe's "
-                   "data (val, test2016, ...)")
-    p.add_argument("--batches", type=int, default=None, help="lm: at most this many batches (default: the whole split)")
-    p.add_argument("--batch-size", type=int, default=16, help="lm: sequences per batch")
+                   "data (val, test2016, ...); image: train | val | test")
+    p.add_argument("--batches", type=int, default=None, help="lm, image: at most this many batches (default: the "
+                   "whole split)")
+    p.add_argument("--batch-size", type=int, default=None, help="lm: sequences per batch (16); image: images per "
+                   "batch (the recipe's data.eval_batch_size)")
     p.add_argument("--metrics", nargs="+", default=None, metavar="NAME",
                    help="translation: bleu chrf rouge exact_match (default: bleu chrf)")
     p.add_argument("--beam", type=int, default=5, help="translation: beam size (1 = greedy)")
     p.add_argument("--source", default=None, help="translation: a source file to evaluate instead of a split")
     p.add_argument("--reference", default=None, help="translation: its reference translations (line-aligned)")
-    p.add_argument("--output", default=None, help="translation: write the hypotheses to this file")
+    p.add_argument("--output", default=None, help="translation: write the hypotheses to this file; image: the "
+                   "confusion-matrix PNG (default: <checkpoint>-confusion-<split>.png next to the checkpoint)")
+    p.add_argument("--no-plot", action="store_true", help="image: do not draw the confusion-matrix PNG")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.set_defaults(func=_run("evaluate"))
@@ -83,6 +89,22 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
                    help="a source longer than the model's limit: truncate with a warning, or refuse")
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.set_defaults(func=_run("translate"))
+
+
+def _add_classify(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("classify", help="classify image files with an image classification checkpoint",
+                       description="Print each image's predicted class and its top probabilities. Images are "
+                                   "read as the model was trained: converted to its grayscale/RGB mode and size.")
+    p.add_argument("checkpoint", help="checkpoint or run directory of an image classifier")
+    p.add_argument("images", nargs="+", metavar="IMAGE", help="image files (PNG, JPEG, ...)")
+    p.add_argument("--top", type=int, default=3, metavar="K", help="show the K most likely classes (default 3)")
+    p.add_argument("--mismatch", choices=["convert", "error"], default="convert",
+                   help="an image of another size or mode: convert it with a warning (default), or refuse")
+    p.add_argument("--invert", action="store_true",
+                   help="invert the pixels first (dark digits on light paper for an MNIST model)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--json", action="store_true", help="print the predictions as one JSON object")
+    p.set_defaults(func=_run("classify"))
 
 
 _DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
@@ -134,6 +156,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_generate(sub)
     _add_evaluate(sub)
     _add_translate(sub)
+    _add_classify(sub)
     _add_import(sub)
     _add_export(sub)
     return parser

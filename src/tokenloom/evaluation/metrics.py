@@ -11,6 +11,8 @@ printed here can be reproduced (and compared with published ones) from its signa
   text in a non-Latin script scores 0: use ``chrf`` for such languages.
 * ``exact_match``: fraction of hypotheses equal to their reference after stripping surrounding
   whitespace (case-sensitive).
+* ``accuracy``: fraction of predicted labels equal to the true labels (classification, labels as
+  strings; for logits, top-k, per-class accuracy and confusion matrices see :mod:`.classification`).
 
 All scores are on a 0-100 scale (sacrebleu's scale; ROUGE and exact match are multiplied by 100) so a
 table of them is uniform::
@@ -92,6 +94,13 @@ def exact_match(hypotheses: list[str], references: list[str]) -> tuple[dict[str,
     """Percentage of hypotheses equal to their reference after stripping surrounding whitespace."""
     hits = sum(hyp.strip() == ref.strip() for hyp, ref in zip(hypotheses, references, strict=True))
     return {"exact_match": 100.0 * hits / len(hypotheses)}, "whitespace-stripped, case-sensitive"
+
+
+@METRICS.register("accuracy")
+def accuracy(hypotheses: list[str], references: list[str]) -> tuple[dict[str, float], str]:
+    """Percentage of predicted labels equal to the true labels (classification; labels as strings)."""
+    hits = sum(hyp == ref for hyp, ref in zip(hypotheses, references, strict=True))
+    return {"accuracy": 100.0 * hits / len(hypotheses)}, "label accuracy, exact string match"
 
 
 def compute_metrics(names: Sequence[str], hypotheses: Sequence[str], references: Sequence[str]) -> MetricResult:

@@ -2,11 +2,12 @@
 
 ``from_hf(model_or_dir)`` / ``to_hf(model)`` convert models in memory; ``import_hf(dir, out)`` /
 ``export_hf(model_or_checkpoint, out)`` convert directories and need no ``transformers``. Families:
-GPT-2 (``GPT2LMHeadModel``), Llama-style models (``LlamaForCausalLM``, ``MistralForCausalLM``) and Marian
-(``MarianMTModel``, into the encoder-decoder).
+GPT-2 (``GPT2LMHeadModel``), Llama-style models (``LlamaForCausalLM``, ``MistralForCausalLM``), Marian
+(``MarianMTModel``, into the encoder-decoder), ViT (``ViTForImageClassification``) and Swin
+(``SwinForImageClassification``).
 """
 
-from . import gpt2, llama, marian  # noqa: F401  (register the converters)
+from . import gpt2, llama, marian, swin, vit  # noqa: F401  (register the converters)
 from .hf import (
     HF_CONVERTERS,
     OPS,

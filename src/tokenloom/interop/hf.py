@@ -120,6 +120,10 @@ class HFConverter:
     architecture: str = ""  # the transformers class it exports, e.g. "GPT2LMHeadModel"
     base_prefix: str = ""  # prefix that checkpoints saved from the headless base model lack ("transformer.")
     hf_defaults: dict[str, Any] = {}  # transformers' defaults for config.json keys that may be left out
+    # (name in checkpoints, name in the installed transformers' modules) substring pairs, applied in order: the
+    # table uses the checkpoint names (what save_pretrained writes); transformers 5 renamed some modules (ViT,
+    # Swin) and renames the tensors as it loads them
+    renames: tuple[tuple[str, str], ...] = ()
 
     def config_from_hf(self, hf: dict[str, Any]) -> Any:
         raise NotImplementedError
@@ -214,6 +218,7 @@ def hf_to_ours(conv: HFConverter, config: Any, hf_state: dict[str, Tensor],
         for name, t in zip(r.hf, OPS.get(r.op).to_hf(ours_meta[r.ours] if r.ours else ref, r), strict=True):
             expected[name] = t.shape
     ignored = [re.compile(p) for p in conv.ignored(config)]
+    hf_state = _checkpoint_names(conv, hf_state, expected)
     missing = [n for n in expected if n not in hf_state]
     unexpected = [n for n in hf_state if n not in expected and not any(p.fullmatch(n) for p in ignored)]
     if missing or unexpected:
@@ -242,6 +247,40 @@ def ours_to_hf(conv: HFConverter, config: Any, state: dict[str, Tensor]) -> dict
     for r in conv.rules(config):
         for name, t in zip(r.hf, OPS.get(r.op).to_hf(state[r.ours] if r.ours else ref, r), strict=True):
             out[name] = t.contiguous()
+    return out
+
+
+def _checkpoint_names(conv: HFConverter, hf_state: dict[str, Tensor], expected: Iterable[str]) -> dict[str, Tensor]:
+    """A state dict in a newer transformers' module names (a model object's ``state_dict()``) -> the checkpoint
+    names the table uses (``conv.renames`` undone); names that are already right stay."""
+    if not conv.renames:
+        return hf_state
+    expected = set(expected)
+    out = {}
+    for name, tensor in hf_state.items():
+        if name not in expected:
+            old = name
+            for checkpoint_name, module_name in reversed(conv.renames):
+                old = old.replace(module_name, checkpoint_name)
+            name = old if old in expected else name
+        out[name] = tensor
+    return out
+
+
+def _module_names(conv: HFConverter, state: dict[str, Tensor], own: Iterable[str]) -> dict[str, Tensor]:
+    """Checkpoint names (the table's) -> the names of a transformers model whose ``state_dict()`` keys are
+    ``own`` (``conv.renames`` applied where the model uses the newer names)."""
+    if not conv.renames:
+        return state
+    own = set(own)
+    out = {}
+    for name, tensor in state.items():
+        if name not in own:
+            new = name
+            for checkpoint_name, module_name in conv.renames:
+                new = new.replace(checkpoint_name, module_name)
+            name = new if new in own else name
+        out[name] = tensor
     return out
 
 
@@ -474,7 +513,7 @@ def to_hf(model: nn.Module, *, attn_implementation: str | None = None) -> nn.Mod
     hf_model = getattr(transformers, conv.architecture)(transformers.AutoConfig.for_model(model_type, **hf))
     ref = next(model.parameters())
     hf_model.to(device=ref.device, dtype=ref.dtype)
-    state = ours_to_hf(conv, model.config, model.state_dict())
+    state = _module_names(conv, ours_to_hf(conv, model.config, model.state_dict()), hf_model.state_dict())
     ignored = [re.compile(p) for p in conv.ignored(model.config)]
     tied = {id(p) for n, p in hf_model.named_parameters(remove_duplicate=False) if n in state}
     for name, tensor in hf_model.state_dict(keep_vars=True).items():  # what transformers computes itself

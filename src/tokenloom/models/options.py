@@ -1,4 +1,4 @@
-"""Checks and derived fields shared by the model configs (GPT, encoder-decoder): the block options."""
+"""Checks and derived fields shared by the model configs (GPT, encoder-decoder, ViT, Swin): the block options."""
 
 from __future__ import annotations
 
@@ -10,35 +10,59 @@ from ..nn.mlp import swiglu_hidden_dim
 from ..nn.positions import check_rope_scaling
 
 
-def check_block_options(config: Any) -> None:
-    """Validate a config's block options (names, heads, dropout, RoPE) and set its derived ``head_dim``
-    and ``mlp_hidden`` (the MLP width the model builds: ``mlp_hidden_dim``, else ``mlp_ratio * embed_dim``,
-    2/3 of it for swiglu rounded up to a multiple of 8)."""
+def check_layer_options(config: Any) -> None:
+    """Validate a config's layer options (heads, dropout, MLP, norm, placement, attention backend) and set its
+    derived ``head_dim`` and ``mlp_hidden`` (the MLP width the model builds: ``mlp_hidden_dim``, else
+    ``mlp_ratio * embed_dim``, 2/3 of it for swiglu rounded up to a multiple of 8). A config without a
+    ``num_kv_heads`` field (vision models) has as many key/value heads as query heads."""
     check(config.embed_dim % config.num_heads == 0,
           f"embed_dim={config.embed_dim} must be divisible by num_heads={config.num_heads}")
-    if config.num_kv_heads is not None:
-        check(config.num_kv_heads >= 1 and config.num_heads % config.num_kv_heads == 0,
-              f"num_kv_heads={config.num_kv_heads} must divide num_heads={config.num_heads}")
+    num_kv_heads = getattr(config, "num_kv_heads", None)
+    if num_kv_heads is not None:
+        check(num_kv_heads >= 1 and config.num_heads % num_kv_heads == 0,
+              f"num_kv_heads={num_kv_heads} must divide num_heads={config.num_heads}")
     check(0.0 <= config.dropout < 1.0, f"dropout must be in [0, 1), got {config.dropout}")
     check(config.attention_dropout is None or 0.0 <= config.attention_dropout < 1.0,
           f"attention_dropout must be in [0, 1), got {config.attention_dropout}")
     check(config.mlp_ratio > 0, f"mlp_ratio must be positive, got {config.mlp_ratio}")
     check(config.mlp_hidden_dim is None or config.mlp_hidden_dim >= 1,
           f"mlp_hidden_dim must be a positive integer or null, got {config.mlp_hidden_dim}")
-    check_choice("position", config.position, POSITIONS)
     check_choice("norm", config.norm, NORMS)
     check_choice("norm_placement", config.norm_placement, BLOCKS)
     check_choice("mlp", config.mlp, MLPS)
     check_choice("attention", config.attention, ATTENTION_BACKENDS)
     config.head_dim = config.embed_dim // config.num_heads
+    if config.mlp_hidden_dim is not None:
+        config.mlp_hidden = config.mlp_hidden_dim
+    else:
+        two_layer = int(config.mlp_ratio * config.embed_dim)
+        config.mlp_hidden = swiglu_hidden_dim(two_layer) if config.mlp == "swiglu" else two_layer
+
+
+def check_block_options(config: Any) -> None:
+    """:func:`check_layer_options` plus the sequence models' position scheme (``position``, RoPE settings)."""
+    check_layer_options(config)
+    check_choice("position", config.position, POSITIONS)
     if config.position == "rope":
         check(config.head_dim % 2 == 0, f"position 'rope' needs an even head_dim, got {config.head_dim}")
         check_rope_scaling(config.rope_scaling)
     else:
         check(config.rope_scaling is None,
               f"rope_scaling is set but position is {config.position!r}; it applies to 'rope' only")
-    if config.mlp_hidden_dim is not None:
-        config.mlp_hidden = config.mlp_hidden_dim
-    else:
-        two_layer = int(config.mlp_ratio * config.embed_dim)
-        config.mlp_hidden = swiglu_hidden_dim(two_layer) if config.mlp == "swiglu" else two_layer
+
+
+def check_image_options(config: Any) -> tuple[int, int]:
+    """Validate a vision config's ``image_size`` (an int or a (height, width) pair; a YAML list becomes a
+    tuple), ``patch_size``, ``in_channels`` and ``num_classes``; returns the image size as (height, width)."""
+    size = config.image_size
+    if isinstance(size, list):
+        size = config.image_size = tuple(size)
+    valid = isinstance(size, int) or (isinstance(size, tuple) and len(size) == 2
+                                      and all(isinstance(v, int) for v in size))
+    hw = (size, size) if isinstance(size, int) else size
+    check(valid and min(hw) >= 1,
+          f"image_size must be a positive integer or a (height, width) pair, got {config.image_size!r}")
+    for name in ("patch_size", "in_channels", "num_classes"):
+        value = getattr(config, name)
+        check(isinstance(value, int) and value >= 1, f"{name} must be a positive integer, got {value!r}")
+    return hw

@@ -1,8 +1,10 @@
 """Tasks: per task, what a batch is, its loss and its metrics."""
 
+from .image import ImageBatch, ImageClassificationTask, ImageDataConfig, classify
 from .lm import LMDataConfig, LMTask
-from .losses import cross_entropy
+from .losses import cross_entropy, soft_cross_entropy
 from .registry import TASKS
 from .translation import TranslationDataConfig, TranslationTask, translate
 
-__all__ = ["TASKS", "LMDataConfig", "LMTask", "TranslationDataConfig", "TranslationTask", "cross_entropy", "translate"]
+__all__ = ["TASKS", "ImageBatch", "ImageClassificationTask", "ImageDataConfig", "LMDataConfig", "LMTask",
+           "TranslationDataConfig", "TranslationTask", "classify", "cross_entropy", "soft_cross_entropy", "translate"]

@@ -17,3 +17,10 @@ def cross_entropy(logits: Tensor, targets: Tensor, *, label_smoothing: float = 0
     """
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1),
                            label_smoothing=label_smoothing, ignore_index=ignore_index)
+
+
+def soft_cross_entropy(logits: Tensor, targets: Tensor, *, label_smoothing: float = 0.0) -> Tensor:
+    """Mean cross-entropy against target distributions (mixup / cutmix). logits (B, K), targets (B, K)
+    summing to 1 per row; label smoothing mixes each target with the uniform distribution:
+    ``(1 - eps) * targets + eps / K``."""
+    return F.cross_entropy(logits.float(), targets.float(), label_smoothing=label_smoothing)

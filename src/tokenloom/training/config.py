@@ -11,12 +11,14 @@ Example (configs/shakespeare-char.yaml)::
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from ..config import apply_overrides, check, check_choice, from_dict, load_yaml, to_dict
 from ..models.factory import model_config_from_dict
+from ..models.registry import MODELS
 from ..tasks import TASKS
 from .schedules import SCHEDULES
 
@@ -61,7 +63,7 @@ class ScheduledSamplingConfig:
 @dataclass
 class TrainConfig:
     max_steps: int = 2000  # optimizer updates
-    batch_size: int = 16  # sequences per micro-batch
+    batch_size: int = 16  # sequences (images) per micro-batch
     seq_len: int | None = None  # tokens per sequence; None = model.max_seq_len
     grad_accum_steps: int = 1  # micro-batches per optimizer update
     lr: float = 1e-3  # peak learning rate
@@ -83,7 +85,7 @@ class TrainConfig:
     stop_after_steps: int | None = None  # end this run after N steps; resume later (the schedule spans max_steps)
     init_from: str | None = None  # fine-tune: start from this checkpoint's weights, tokenizer and model settings
     keep_best: str | None = None  # also keep <run>/best: the checkpoint with the best value of this eval metric
-    #   (e.g. val_bleu, higher is better; val_loss / val_ppl, lower is better)
+    #   (e.g. val_bleu, val_acc: higher is better; val_loss / val_ppl: lower is better)
     average_last: int = 0  # at the end, average the weights of the last N checkpoints into <run>/averaged
     scheduled_sampling: ScheduledSamplingConfig = field(default_factory=ScheduledSamplingConfig)  # translation
 
@@ -110,7 +112,7 @@ class TrainConfig:
 
 @dataclass
 class RunConfig:
-    task: str = "lm"  # what is trained: lm
+    task: str = "lm"  # what is trained: lm | translation | image_classification
     model: dict[str, Any] = field(default_factory=dict)  # model family and its config fields
     data: dict[str, Any] = field(default_factory=dict)  # the task's data section
     train: TrainConfig = field(default_factory=TrainConfig)
@@ -118,8 +120,12 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_choice("task", self.task, TASKS)
-        # vocab_size comes from the tokenizer when unset; the family defaults to the task's
-        model = {"family": TASKS.get(self.task).default_family, "vocab_size": 1 << 20, **self.model}
+        # the family defaults to the task's; vocab_size (in families that have one) comes from the
+        # tokenizer when unset, so a placeholder stands in for it here
+        model = {"family": TASKS.get(self.task).default_family, **self.model}
+        if isinstance(model["family"], str) and model["family"] in MODELS:
+            if "vocab_size" in {f.name for f in dataclasses.fields(MODELS.get(model["family"])[0])}:
+                model.setdefault("vocab_size", 1 << 20)
         model_config_from_dict(model)  # validates the section; raises ConfigError naming the key
         from_dict(TASKS.get(self.task).data_config_cls, self.data, prefix="data")
         check(self.train.scheduled_sampling.schedule == "none" or self.task == "translation",

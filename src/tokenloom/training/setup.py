@@ -18,23 +18,26 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
     """Tokenizer, data, model and Trainer for ``config`` in ``run_dir``. With ``resume`` the weights,
     tokenizer, optimizer, schedule, RNG states and step come from ``run_dir``'s checkpoint, so the run
     continues exactly where it stopped. With ``train.init_from`` (fine-tuning) a fresh run starts from
-    another checkpoint's weights and tokenizer, its model settings overridden by the recipe's ``model``."""
+    another checkpoint's weights and tokenizer, its model settings overridden by the recipe's ``model``.
+    Tasks without a tokenizer (``uses_tokenizer = False``: image classification) get None."""
     run_dir = Path(run_dir)
     t = config.train
+    task_cls = TASKS.get(config.task)
+    uses_tokenizer = getattr(task_cls, "uses_tokenizer", True)
     tokenizer = None
     checkpoint = None
     model_section = config.model
     if resume:
         checkpoint = resolve_checkpoint(run_dir)
-        tokenizer = load_tokenizer(checkpoint)
+        tokenizer = load_tokenizer(checkpoint) if uses_tokenizer else None
     elif t.init_from:
         checkpoint = resolve_checkpoint(t.init_from)
-        tokenizer = load_tokenizer(checkpoint)
+        tokenizer = load_tokenizer(checkpoint) if uses_tokenizer else None
         model_section = {**read_config(checkpoint).get("model", {}), **config.model}
     if t.threads:
         torch.set_num_threads(t.threads)
     torch.manual_seed(t.seed)
-    task, model, tokenizer, section = TASKS.get(config.task).setup(
+    task, model, tokenizer, section = task_cls.setup(
         config.data_config, model_section, run_dir, batch_size=t.batch_size, seq_len=t.seq_len,
         label_smoothing=t.label_smoothing, eval_batches=t.eval_batches, tokenizer=tokenizer, seed=t.seed,
         **({"scheduled_sampling": t.scheduled_sampling} if t.scheduled_sampling.schedule != "none" else {}))

@@ -61,6 +61,8 @@ class Trainer:
     def _config_dict(self) -> dict[str, Any]:
         data = self.config.to_dict()
         data["model"] = dict(self.model_section)
+        if hasattr(self.task, "checkpoint_data"):  # what the task resolved from the data (image classes, ...)
+            data["data"] = {**(data.get("data") or {}), **self.task.checkpoint_data()}
         eos = getattr(self.tokenizer, "eos_token", None)
         data["tokenizer"] = {"eos_token": eos} if eos is not None else {}
         return data
