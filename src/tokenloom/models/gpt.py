@@ -26,14 +26,13 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config import check
-from ..errors import ConfigError, GenerationError
+from ..errors import GenerationError
 from ..nn import POSITIONS, KVCache, create_block, create_norm
 from ..nn.block import DecodePlan, has_forward_hooks, inference_function
 from ..nn.dropout import Dropout
 from ..nn.masks import additive_mask, causal_mask, padding_mask, positions_from_mask
 from ..nn.positions import Position
-from ..registry import did_you_mean
-from .options import check_block_options
+from .options import check_block_options, from_preset
 from .registry import MODELS
 
 
@@ -73,10 +72,7 @@ class GPTConfig:
     @classmethod
     def from_name(cls, name: str, **overrides) -> GPTConfig:
         """A preset by name (see ``GPT_PRESETS``) with fields overridden."""
-        if name not in GPT_PRESETS:
-            raise ConfigError(f"unknown GPT preset {name!r}{did_you_mean(name, GPT_PRESETS)}; "
-                              f"known: {', '.join(GPT_PRESETS)}")
-        return cls(**{**GPT_PRESETS[name], **overrides})
+        return from_preset(cls, GPT_PRESETS, "GPT", name, overrides)
 
 
 GPT_PRESETS: dict[str, dict] = {

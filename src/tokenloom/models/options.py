@@ -1,13 +1,15 @@
-"""Checks and derived fields shared by the model configs (GPT, encoder-decoder, ViT, Swin): the block options."""
+"""Checks, derived fields and presets shared by the model configs (GPT, encoder-decoder, ViT, Swin)."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from ..config import check, check_choice
+from ..errors import ConfigError
 from ..nn import ATTENTION_BACKENDS, BLOCKS, MLPS, NORMS, POSITIONS
 from ..nn.mlp import swiglu_hidden_dim
 from ..nn.positions import check_rope_scaling
+from ..registry import did_you_mean
 
 
 def check_layer_options(config: Any) -> None:
@@ -66,3 +68,11 @@ def check_image_options(config: Any) -> tuple[int, int]:
         value = getattr(config, name)
         check(isinstance(value, int) and value >= 1, f"{name} must be a positive integer, got {value!r}")
     return hw
+
+
+def from_preset(cls: type, presets: dict[str, dict], kind: str, name: str, overrides: dict[str, Any]) -> Any:
+    """``cls(**presets[name], **overrides)``; an unknown name is a :class:`ConfigError` listing the ``kind``
+    presets and the closest match (every config's ``from_name``)."""
+    if name not in presets:
+        raise ConfigError(f"unknown {kind} preset {name!r}{did_you_mean(name, presets)}; known: {', '.join(presets)}")
+    return cls(**{**presets[name], **overrides})

@@ -32,7 +32,6 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..config import check, check_choice
-from ..errors import ConfigError
 from ..nn import ATTENTION_BACKENDS, MLPS, LayerNorm, MultiHeadAttention, create_mlp
 from ..nn.dropout import Dropout, DropPath
 from ..nn.patch_embed import PatchEmbed
@@ -43,8 +42,7 @@ from ..nn.windows import (
     window_partition,
     window_reverse,
 )
-from ..registry import did_you_mean
-from .options import check_image_options
+from .options import check_image_options, from_preset
 from .registry import MODELS
 
 EMBED_NORM_EPS = 1e-5  # the patch embedding's and the patch merging's LayerNorm (torch's default, as in HF)
@@ -98,10 +96,7 @@ class SwinConfig:
     @classmethod
     def from_name(cls, name: str, **overrides) -> SwinConfig:
         """A preset by name (see ``SWIN_PRESETS``) with fields overridden."""
-        if name not in SWIN_PRESETS:
-            raise ConfigError(f"unknown Swin preset {name!r}{did_you_mean(name, SWIN_PRESETS)}; "
-                              f"known: {', '.join(SWIN_PRESETS)}")
-        return cls(**{**SWIN_PRESETS[name], **overrides})
+        return from_preset(cls, SWIN_PRESETS, "Swin", name, overrides)
 
 
 SWIN_PRESETS: dict[str, dict] = {

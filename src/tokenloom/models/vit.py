@@ -20,12 +20,11 @@ import torch
 from torch import Tensor, nn
 
 from ..config import check
-from ..errors import ConfigError
 from ..nn import create_block, create_norm
 from ..nn.dropout import Dropout
 from ..nn.patch_embed import PatchEmbed, resample_grid, sincos_2d
 from ..registry import did_you_mean
-from .options import check_image_options, check_layer_options
+from .options import check_image_options, check_layer_options, from_preset
 from .registry import MODELS
 
 POOLS = ("cls", "mean")
@@ -82,10 +81,7 @@ class ViTConfig:
     @classmethod
     def from_name(cls, name: str, **overrides) -> ViTConfig:
         """A preset by name (see ``VIT_PRESETS``) with fields overridden."""
-        if name not in VIT_PRESETS:
-            raise ConfigError(f"unknown ViT preset {name!r}{did_you_mean(name, VIT_PRESETS)}; "
-                              f"known: {', '.join(VIT_PRESETS)}")
-        return cls(**{**VIT_PRESETS[name], **overrides})
+        return from_preset(cls, VIT_PRESETS, "ViT", name, overrides)
 
 
 VIT_PRESETS: dict[str, dict] = {
