@@ -164,6 +164,30 @@ def test_shifted_block_matches_a_direct_reference():
     assert model(images(size=8)).shape == (2, 5)
 
 
+@pytest.mark.parametrize("training", [True, False])
+def test_window_layout_stage_equals_the_block_by_block_path(training):
+    """A stage on a map the windows tile runs its blocks in window layout (one gather between blocks, fused
+    residuals in eval mode); each block's own pad / roll / partition / reverse path gives the same output and
+    gradients."""
+    torch.manual_seed(0)
+    stage = tiny(depths=[3], num_heads=[2]).stages[0].train(training)  # 8x8 grid, window 4: plain, shifted, plain
+    for p in stage.parameters():
+        p.data.add_(torch.randn_like(p) * 0.05)
+    x = torch.randn(2, 64, 16, requires_grad=True)
+    out, grid = stage(x, (8, 8))
+    window, shift = stage_window((8, 8), 4)
+    mask = additive_window_mask(shifted_window_mask(8, 8, window, shift), torch.float32)[:, None]
+    ref = x
+    for block in stage.blocks:
+        ref = block(ref, (8, 8), window, shift if block.shifted else 0, mask if block.shifted else None)
+    assert grid == (8, 8) and shift == 2
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    weight = torch.randn_like(out)
+    (g,) = torch.autograd.grad((out * weight).sum(), x)
+    (r,) = torch.autograd.grad((ref * weight).sum(), x)
+    torch.testing.assert_close(g, r, atol=1e-5, rtol=1e-5)
+
+
 def test_patch_merging_order():
     """x0 = (0, 0), x1 = (1, 0), x2 = (0, 1), x3 = (1, 1) offsets as (row, column), Hugging Face's order."""
     merge = tiny().stages[0].downsample

@@ -20,7 +20,13 @@ Face cannot run that case.) The patch embedding's and the patch merging's LayerN
 Window attention takes q, k and v as strided views of the fused projection (no copies); an unshifted block
 makes one backend call over all B * nW windows with the (1, nH, N, N) position bias broadcast, a shifted block
 one call per window position over the batch with that window's bias + shift mask: no (B * nW, nH, N, N) mask
-is built (measured faster than folding the windows into the heads, which needs a copy of q, k and v).
+is built (measured faster than folding the windows into the heads, which needs a copy of q, k and v). Where
+attention is computed explicitly (CPU training, the ``math`` backend) a shifted block is one call over
+(B, nW, nH, N, D) with the mask broadcast.
+
+On a map the windows tile exactly, a stage keeps its tokens in window layout: norms, MLPs and residuals are per
+token, so each block needs one gather (from the previous block's layout to its own) where the reference code
+rolls, partitions, reverses and rolls back; a single-window stage without shift needs none.
 """
 
 from __future__ import annotations
@@ -33,12 +39,16 @@ from torch.nn import functional as F
 
 from ..config import check, check_choice
 from ..nn import ATTENTION_BACKENDS, MLPS, LayerNorm, MultiHeadAttention, create_mlp
+from ..nn.attention import explicit_training, partition_views
+from ..nn.block import has_forward_hooks
 from ..nn.dropout import Dropout, DropPath
 from ..nn.patch_embed import PatchEmbed
 from ..nn.windows import (
     additive_window_mask,
+    permute_tokens,
     relative_position_index,
     shifted_window_mask,
+    window_order,
     window_partition,
     window_reverse,
 )
@@ -138,24 +148,32 @@ class SwinWindowAttention(MultiHeadAttention):
         return self.relative_position_bias_table[index.view(-1)].view(N, N, -1).permute(2, 0, 1)  # (nH, N, N)
 
     def forward(self, windows: Tensor, bias: Tensor, shift_mask: Tensor | None = None,
-                need_weights: bool = False) -> tuple[Tensor, Tensor | None]:
+                need_weights: bool = False, residual: Tensor | None = None) -> tuple[Tensor, Tensor | None]:
         """windows (B, nW, N, C), position bias (nH, N, N), additive shift mask (nW, 1, N, N) or None ->
-        (B, nW, N, C), and the probabilities (B, nW, nH, N, N) when ``need_weights`` and the backend gives them.
+        (B, nW, N, C) (+ ``residual``, fused into the output projection in eval-mode inference), and the
+        probabilities (B, nW, nH, N, N) when ``need_weights`` and the backend gives them.
 
         q, k and v are strided views of the fused projection (no copies). Without a shift mask one backend call
-        covers all B * nW windows with the bias broadcast; with one, each window position is a call over the
-        batch with its own (1, nH, N, N) mask, so no (B * nW, nH, N, N) mask is ever built."""
+        covers all B * nW windows with the bias broadcast. With one, where attention is computed explicitly
+        (the ``math`` backend, CPU training) one call over (B, nW, nH, N, D) broadcasts the (nW, nH, N, N)
+        bias + mask; elsewhere (the fused kernel) each window position is a call over the batch with its own
+        (1, nH, N, N) mask, so no (B * nW, nH, N, N) mask is ever built."""
         B, nW, N, C = windows.shape
         H, D = self.num_heads, self.head_dim
         qkv = self.qkv_proj(windows).view(B, nW, N, 3, H, D)
         dropout = self.dropout if self.training else 0.0
         if shift_mask is None:
-            q, k, v = qkv.view(B * nW, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0)  # each (B*nW, nH, N, D)
+            q, k, v = partition_views(  # each (B*nW, nH, N, D)
+                qkv, lambda t: t.view(B * nW, N, 3, H, D).permute(2, 0, 3, 1, 4).unbind(0))
             out, weights = self.backend(q, k, v, bias[None].to(q.dtype), False, dropout, need_weights)
             out = out.transpose(1, 2).reshape(B, nW, N, C)  # (B*nW, nH, N, D) -> (B, nW, N, C)
             weights = weights.view(B, nW, H, N, N) if weights is not None else None
-            return self.out_proj(out), weights
+            return self.project(out, residual), weights
         mask = (bias + shift_mask).to(qkv.dtype)  # (nW, nH, N, N)
+        if self.backend_name == "math" or explicit_training(qkv, N):
+            q, k, v = partition_views(qkv, lambda t: t.permute(3, 0, 1, 4, 2, 5).unbind(0))  # each (B, nW, nH, N, D)
+            out, weights = self.backend(q, k, v, mask, False, dropout, need_weights)
+            return self.project(out.transpose(2, 3).reshape(B, nW, N, C), residual), weights
         outs, probs = [], []
         for w in range(nW):
             q, k, v = qkv[:, w].permute(2, 0, 3, 1, 4).unbind(0)  # each (B, nH, N, D)
@@ -164,7 +182,7 @@ class SwinWindowAttention(MultiHeadAttention):
             probs.append(p)
         out = torch.stack(outs, dim=1).reshape(B, nW, N, C)
         weights = torch.stack(probs, dim=1) if probs[0] is not None else None
-        return self.out_proj(out), weights
+        return self.project(out, residual), weights
 
 
 class SwinBlock(nn.Module):
@@ -186,7 +204,9 @@ class SwinBlock(nn.Module):
     def forward(self, x: Tensor, grid: tuple[int, int], window: int, shift: int,
                 shift_mask: Tensor | None) -> Tensor:
         """x (B, L, C) on a (Gh, Gw) grid -> (B, L, C). ``window``/``shift`` come from :func:`stage_window`
-        (``shift`` 0 for an unshifted block); ``shift_mask`` (nW, 1, N, N) is the additive shift mask or None."""
+        (``shift`` 0 for an unshifted block); ``shift_mask`` (nW, 1, N, N) is the additive shift mask or None.
+        (A stage whose map is a multiple of the window runs its blocks in the window layout instead:
+        :meth:`forward_windows`.)"""
         B, L, C = x.shape
         Gh, Gw = grid
         h = self.norm1(x).view(B, Gh, Gw, C)
@@ -205,6 +225,17 @@ class SwinBlock(nn.Module):
         if pad_b or pad_r:
             h = h[:, :Gh, :Gw]
         x = x + self.drop_path(self.resid_dropout(h.reshape(B, L, C)))
+        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+    def forward_windows(self, x: Tensor, window: int, shift_mask: Tensor | None) -> Tensor:
+        """The same block on tokens already in its window layout, x (B, nW, N, C) -> (B, nW, N, C): norms, MLP
+        and residuals act per token, so only attention needs the windows, and no roll / partition / reverse
+        copies are made. In eval mode the residual adds are fused into the output projections."""
+        if not self.training and not has_forward_hooks(self):
+            x, _ = self.attn(self.norm1(x), self.attn.position_bias(window), shift_mask, residual=x)
+            return self.mlp.add_to(x, self.norm2(x))
+        out, _ = self.attn(self.norm1(x), self.attn.position_bias(window), shift_mask)
+        x = x + self.drop_path(self.resid_dropout(out))
         return x + self.drop_path(self.mlp(self.norm2(x)))
 
 
@@ -249,16 +280,40 @@ class SwinStage(nn.Module):
         """x (B, L, C) on ``grid`` -> the stage's output and its grid (halved after a patch merging)."""
         window, shift = stage_window(grid, self.window)
         shift_mask = None
+        Hp, Wp = -(-grid[0] // window) * window, -(-grid[1] // window) * window
         if shift and len(self.blocks) > 1:  # one mask for every shifted block of the stage
-            Hp, Wp = -(-grid[0] // window) * window, -(-grid[1] // window) * window
             allowed = shifted_window_mask(Hp, Wp, window, shift, device=x.device)  # (nW, N, N)
             dtype = self.blocks[0].attn.relative_position_bias_table.dtype
             shift_mask = additive_window_mask(allowed, dtype)[:, None]  # (nW, 1, N, N)
-        for block in self.blocks:
-            x = block(x, grid, window, shift if block.shifted else 0, shift_mask if block.shifted else None)
+        if (Hp, Wp) == tuple(grid):
+            x = self._blocks_in_windows(x, grid, window, shift, shift_mask)
+        else:  # padded windows: each block pads, partitions and crops
+            for block in self.blocks:
+                x = block(x, grid, window, shift if block.shifted else 0, shift_mask if block.shifted else None)
         if self.downsample is not None:
             x, grid = self.downsample(x, grid)
         return x, grid
+
+    def _blocks_in_windows(self, x: Tensor, grid: tuple[int, int], window: int, shift: int,
+                           shift_mask: Tensor | None) -> Tensor:
+        """The blocks on a map that the windows tile exactly: the tokens are gathered into the first block's
+        window layout, from one block's layout into the next's (one gather, where the reference rolls,
+        partitions, reverses and rolls back), and back to row-major order at the end."""
+        B, L, C = x.shape
+        N = window * window
+        plain = torch.arange(L, device=x.device)
+        orders = {s: window_order(*grid, window, s, device=x.device) for s in {0, shift}}
+        current = plain  # x[:, j] holds token current[j]
+        for block in self.blocks:
+            order = orders[shift if block.shifted else 0]  # the block's layout: slot j holds token order[j]
+            if not torch.equal(order, current):
+                x = permute_tokens(x, torch.argsort(current)[order])
+                current = order
+            x = block.forward_windows(x.view(B, L // N, N, C), window,
+                                      shift_mask if block.shifted else None).view(B, L, C)
+        if not torch.equal(current, plain):
+            x = permute_tokens(x, torch.argsort(current))
+        return x
 
 
 class Swin(nn.Module):

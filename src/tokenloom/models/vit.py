@@ -148,8 +148,10 @@ class ViT(nn.Module):
         patches = resample_grid(self.pos_embed[:, k:], self.config.grid_size, grid)  # (1, N', C)
         return torch.cat((self.pos_embed[:, :k], patches), dim=1)
 
-    def forward_features(self, images: Tensor) -> Tensor:
-        """images (B, C_in, H, W) -> (B, T, C) tokens after the final norm (the class token first, if any)."""
+    def forward_features(self, images: Tensor, class_token_only: bool = False) -> Tensor:
+        """images (B, C_in, H, W) -> (B, T, C) tokens after the final norm (the class token first, if any).
+        ``class_token_only`` (with ``pool='cls'``): the last block computes the class token alone (all tokens
+        still serve as its keys and values) -> (B, 1, C), what the classifier reads, for ~1/L less work."""
         x, grid = self.patch_embed(images)  # (B, N, C)
         B = x.shape[0]
         pos = self.positions(grid, x.dtype, x.device)
@@ -162,8 +164,9 @@ class ViT(nn.Module):
         else:
             x = x + pos
         x = self.embed_dropout(x)
-        for block in self.blocks:
-            x, _ = block(x)
+        last = len(self.blocks) - 1
+        for i, block in enumerate(self.blocks):
+            x, _ = block(x, queries=1 if class_token_only and i == last else None)
         return self.final_norm(x)
 
     def forward_head(self, features: Tensor) -> Tensor:
@@ -173,7 +176,7 @@ class ViT(nn.Module):
 
     def forward(self, images: Tensor) -> Tensor:
         """images (B, C_in, H, W) float -> (B, K) logits."""
-        return self.forward_head(self.forward_features(images))
+        return self.forward_head(self.forward_features(images, class_token_only=self.config.pool == "cls"))
 
 
 MODELS.register("vit")((ViTConfig, ViT))

@@ -11,6 +11,9 @@ a block over its self-attention cache ``kv`` (and, for a decoder block with cros
 precomputed keys and values and its additive mask), on x (B, C) (one position per row), computed without
 ``nn.Module`` call overhead; see :meth:`MultiHeadAttention.inference_step` and
 :meth:`MultiHeadAttention.cross_inference_step`. A cross-attention block given no ``memory_kv`` returns None.
+
+``forward(x, queries=n)`` lets only the first ``n`` positions query (a class token's last layer): (B, n, C).
+In eval mode the residual adds are fused into the sublayers' last linear layers where :mod:`.fused` can.
 """
 
 from __future__ import annotations
@@ -76,6 +79,17 @@ class _Block(nn.Module):
         self.norm2 = create_norm(norm, embed_dim, bias=bias, eps=norm_eps)
         self.resid_dropout = Dropout(dropout)
 
+    def residual_form(self) -> bool:
+        """In eval mode (dropout off) each residual add is handed to the sublayer (``residual=``, ``add_to``) so
+        it can be fused into the sublayer's last linear layer (:mod:`.fused`); not when hooks watch the
+        submodules (the fused kernels would bypass them)."""
+        return not self.training and not has_forward_hooks(self)
+
+    def mlp_add(self, residual: Tensor, x: Tensor) -> Tensor:
+        """``residual + mlp(x)`` through the MLP's ``add_to`` where it has one."""
+        add_to = getattr(self.mlp, "add_to", None)
+        return add_to(residual, x) if add_to is not None else residual + self.mlp(x)
+
     def _inference_parts(self, kv: Tensor, memory_kv: tuple[Tensor, Tensor] | None,
                          memory_mask: Tensor | None) -> tuple[Callable, ...] | None:
         """(attention step over ``kv``, norm1, cross-attention step | None, its norm | None, norm2, mlp) as
@@ -94,9 +108,17 @@ class _Block(nn.Module):
 class PreNormBlock(_Block):
     def forward(self, x: Tensor, *, memory: Tensor | None = None, memory_mask: Tensor | None = None,
                 memory_kv: tuple[Tensor, Tensor] | None = None, need_weights: bool = False,
-                **attn_kwargs) -> tuple[Tensor, Tensor | None]:
-        h, weights = self.attn(self.norm1(x), need_weights=need_weights, **attn_kwargs)
-        x = x + self.resid_dropout(h)
+                queries: int | None = None, **attn_kwargs) -> tuple[Tensor, Tensor | None]:
+        keep = x if queries is None else x[:, :queries]
+        if self.residual_form():
+            x, weights = self.attn(self.norm1(x), need_weights=need_weights, residual=keep, queries=queries,
+                                   **attn_kwargs)
+            if self.cross_attn is not None:
+                x, _ = self.cross_attn(self.norm_cross(x), memory=memory, memory_kv=memory_kv,
+                                       attn_mask=memory_mask, residual=x)
+            return self.mlp_add(x, self.norm2(x)), weights
+        h, weights = self.attn(self.norm1(x), need_weights=need_weights, queries=queries, **attn_kwargs)
+        x = keep + self.resid_dropout(h)
         if self.cross_attn is not None:
             h, _ = self.cross_attn(self.norm_cross(x), memory=memory, memory_kv=memory_kv, attn_mask=memory_mask)
             x = x + self.resid_dropout(h)
@@ -126,9 +148,17 @@ class PreNormBlock(_Block):
 class PostNormBlock(_Block):
     def forward(self, x: Tensor, *, memory: Tensor | None = None, memory_mask: Tensor | None = None,
                 memory_kv: tuple[Tensor, Tensor] | None = None, need_weights: bool = False,
-                **attn_kwargs) -> tuple[Tensor, Tensor | None]:
-        h, weights = self.attn(x, need_weights=need_weights, **attn_kwargs)
-        x = self.norm1(x + self.resid_dropout(h))
+                queries: int | None = None, **attn_kwargs) -> tuple[Tensor, Tensor | None]:
+        keep = x if queries is None else x[:, :queries]
+        if self.residual_form():
+            h, weights = self.attn(x, need_weights=need_weights, residual=keep, queries=queries, **attn_kwargs)
+            x = self.norm1(h)
+            if self.cross_attn is not None:
+                h, _ = self.cross_attn(x, memory=memory, memory_kv=memory_kv, attn_mask=memory_mask, residual=x)
+                x = self.norm_cross(h)
+            return self.norm2(self.mlp_add(x, x)), weights
+        h, weights = self.attn(x, need_weights=need_weights, queries=queries, **attn_kwargs)
+        x = self.norm1(keep + self.resid_dropout(h))
         if self.cross_attn is not None:
             h, _ = self.cross_attn(x, memory=memory, memory_kv=memory_kv, attn_mask=memory_mask)
             x = self.norm_cross(x + self.resid_dropout(h))

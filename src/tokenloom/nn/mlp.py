@@ -2,7 +2,9 @@
 
 Shapes: x (B, T, C) -> (B, T, C); the hidden width is ``hidden_dim``. Each MLP's
 ``inference_function()`` returns a plain function equal to ``forward`` in eval mode (no dropout), without
-the ``nn.Module`` call overhead, for decode loops; it captures the current parameters.
+the ``nn.Module`` call overhead, for decode loops; it captures the current parameters. ``add_to(residual, x)``
+is ``residual + forward(x)``, in eval-mode inference on CPU with the activation fused into the first linear
+layer and the residual into the second (:mod:`tokenloom.nn.fused`).
 """
 
 from __future__ import annotations
@@ -15,12 +17,15 @@ from torch.nn import functional as F
 
 from ..registry import Registry
 from .dropout import Dropout
+from .fused import linear_act, linear_add
 
 MLPS: Registry[type[nn.Module]] = Registry("mlp")
 
 
 class _TwoLayerMLP(nn.Module):
     """Linear -> activation -> Linear -> dropout (the original Transformer's FFN)."""
+
+    act_name = ""  # the activation's name in nn.fused.ACTIVATIONS
 
     def __init__(self, embed_dim: int, hidden_dim: int, bias: bool = True, dropout: float = 0.0) -> None:
         super().__init__()
@@ -33,6 +38,13 @@ class _TwoLayerMLP(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.fc_out(self.act(self.fc_in(x))))
+
+    def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
+        """``residual + self(x)``; in eval mode with the linear layers fused where :mod:`.fused` can."""
+        if self.training or not self.act_name:
+            return residual + self(x)
+        h = linear_act(x, self.fc_in.weight, self.fc_in.bias, self.act_name)
+        return linear_add(h, self.fc_out.weight, self.fc_out.bias, residual)
 
     def inference_function(self) -> Callable[[Tensor], Tensor]:
         w_in, b_in, w_out, b_out = self.fc_in.weight, self.fc_in.bias, self.fc_out.weight, self.fc_out.bias
@@ -63,6 +75,8 @@ def gelu_native(x: Tensor) -> Tensor:
 
 @MLPS.register("gelu")
 class GeluMLP(_TwoLayerMLP):
+    act_name = "gelu"
+
     def act(self, x: Tensor) -> Tensor:
         return F.gelu(x)
 
@@ -74,12 +88,16 @@ class GeluMLP(_TwoLayerMLP):
 class GeluTanhMLP(_TwoLayerMLP):
     """GELU with the tanh approximation (GPT-2's ``gelu_new``)."""
 
+    act_name = "gelu_tanh"
+
     def act(self, x: Tensor) -> Tensor:
         return F.gelu(x, approximate="tanh")
 
 
 @MLPS.register("relu")
 class ReluMLP(_TwoLayerMLP):
+    act_name = "relu"
+
     def act(self, x: Tensor) -> Tensor:
         return F.relu(x)
 
@@ -87,6 +105,8 @@ class ReluMLP(_TwoLayerMLP):
 @MLPS.register("silu")
 class SiluMLP(_TwoLayerMLP):
     """SiLU (swish) between two linear layers, without a gate (Marian's default)."""
+
+    act_name = "silu"
 
     def act(self, x: Tensor) -> Tensor:
         return F.silu(x)
@@ -107,6 +127,14 @@ class SwiGLU(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return self.dropout(self.fc_out(F.silu(self.fc_gate(x)) * self.fc_up(x)))
+
+    def add_to(self, residual: Tensor, x: Tensor) -> Tensor:
+        """``residual + self(x)``; in eval mode with the gate's SiLU and the residual fused where :mod:`.fused`
+        can."""
+        if self.training:
+            return residual + self(x)
+        h = linear_act(x, self.fc_gate.weight, self.fc_gate.bias, "silu") * self.fc_up(x)
+        return linear_add(h, self.fc_out.weight, self.fc_out.bias, residual)
 
     def inference_function(self) -> Callable[[Tensor], Tensor]:
         w_gate, b_gate, w_up, b_up = self.fc_gate.weight, self.fc_gate.bias, self.fc_up.weight, self.fc_up.bias

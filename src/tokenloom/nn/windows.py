@@ -29,6 +29,37 @@ def window_reverse(windows: Tensor, window: int, height: int, width: int) -> Ten
     return x.transpose(2, 3).reshape(-1, height, width, C)
 
 
+def window_order(height: int, width: int, window: int, shift: int = 0,
+                 device: torch.device | str | None = None) -> Tensor:
+    """(H * W,) long: for each slot of the window layout (windows row-major, tokens row-major inside), the
+    row-major index of its token on the (H, W) map, after a roll by ``-shift`` (a shifted block's layout):
+    ``x[:, window_order(...)]`` == ``window_partition(roll(x), window)`` flattened over the windows."""
+    index = torch.arange(height * width, device=device).view(1, height, width, 1)
+    if shift:
+        index = torch.roll(index, shifts=(-shift, -shift), dims=(1, 2))
+    return window_partition(index, window).reshape(-1)
+
+
+class _PermuteTokens(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, index: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(1, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None]:
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(1, inverse), None, None
+
+
+def permute_tokens(x: Tensor, index: Tensor) -> Tensor:
+    """``x[:, index]`` for a permutation ``index`` of dim 1 of x (B, L, ...), whose gradient is the inverse
+    permutation's gather (not a scatter-add)."""
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return x.index_select(1, index)
+    return _PermuteTokens.apply(x, index, torch.argsort(index))
+
+
 def shift_regions(height: int, width: int, window: int, shift: int, device: torch.device | str | None = None) -> Tensor:
     """(H, W) region labels of a feature map rolled by ``-shift`` (the reference Swin's ``img_mask``): each axis
     is cut into [0, L - M), [L - M, L - shift), [L - shift, L) -> 0, 1, 2, and a position's label is
