@@ -132,9 +132,12 @@ def test_qkv_bias_false_drops_only_the_projection_bias():
     assert model(images()).shape == (2, 5)
 
 
-def test_tiny_vit_overfits_a_batch():
+@pytest.mark.parametrize("family", ["vit", "swin"])
+def test_tiny_vision_model_overfits_a_batch(family):
+    from test_swin import tiny as tiny_swin  # tests/models is on sys.path (pytest's prepend import mode)
+
     torch.manual_seed(0)
-    model = tiny(num_classes=8).train()
+    model = (tiny if family == "vit" else tiny_swin)(num_classes=8).train()
     x, y = images(batch=8), torch.arange(8)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     first = None

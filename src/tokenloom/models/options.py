@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from torch import nn
+
 from ..config import check, check_choice
 from ..errors import ConfigError
 from ..nn import ATTENTION_BACKENDS, BLOCKS, MLPS, NORMS, POSITIONS
@@ -76,3 +78,12 @@ def from_preset(cls: type, presets: dict[str, dict], kind: str, name: str, overr
     if name not in presets:
         raise ConfigError(f"unknown {kind} preset {name!r}{did_you_mean(name, presets)}; known: {', '.join(presets)}")
     return cls(**{**presets[name], **overrides})
+
+
+def init_vision_linear(module: nn.Module) -> None:
+    """ViT's and Swin's initialisation of a linear layer (timm, Hugging Face): weights from a normal truncated
+    to +-2 with std 0.02, zero bias; other modules untouched. Use with ``model.apply``."""
+    if isinstance(module, nn.Linear):
+        nn.init.trunc_normal_(module.weight, std=0.02)
+        if module.bias is not None:
+            nn.init.zeros_(module.bias)

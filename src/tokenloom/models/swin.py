@@ -52,7 +52,7 @@ from ..nn.windows import (
     window_partition,
     window_reverse,
 )
-from .options import check_image_options, from_preset
+from .options import check_image_options, from_preset, init_vision_linear
 from .registry import MODELS
 
 EMBED_NORM_EPS = 1e-5  # the patch embedding's and the patch merging's LayerNorm (torch's default, as in HF)
@@ -338,11 +338,8 @@ class Swin(nn.Module):
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.trunc_normal_(module.weight, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, SwinWindowAttention):
+        init_vision_linear(module)
+        if isinstance(module, SwinWindowAttention):
             nn.init.trunc_normal_(module.relative_position_bias_table, std=0.02)
 
     def forward_features(self, images: Tensor) -> Tensor:

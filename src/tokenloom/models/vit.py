@@ -24,7 +24,7 @@ from ..nn import create_block, create_norm
 from ..nn.dropout import Dropout
 from ..nn.patch_embed import PatchEmbed, resample_grid, sincos_2d
 from ..registry import did_you_mean
-from .options import check_image_options, check_layer_options, from_preset
+from .options import check_image_options, check_layer_options, from_preset, init_vision_linear
 from .registry import MODELS
 
 POOLS = ("cls", "mean")
@@ -122,18 +122,11 @@ class ViT(nn.Module):
         self.final_norm = create_norm(c.norm, c.embed_dim, eps=c.norm_eps) if c.norm_placement == "pre" \
             else nn.Identity()
         self.head = nn.Linear(c.embed_dim, c.num_classes)
-        self.apply(self._init_weights)
+        self.apply(init_vision_linear)
         if self.pos_embed is not None:
             nn.init.trunc_normal_(self.pos_embed, std=0.02)
         if self.cls_token is not None:
             nn.init.normal_(self.cls_token, std=1e-6)
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.trunc_normal_(module.weight, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
 
     def positions(self, grid: tuple[int, int], dtype: torch.dtype, device: torch.device) -> Tensor:
         """(1, T, C) learned positions for a (Gh, Gw) grid (class token included; resized bicubically when
