@@ -176,7 +176,8 @@ def evaluate(args: argparse.Namespace) -> int:
         from .vision import evaluate_image
 
         return evaluate_image(args, ckpt, config)
-    if config.get("task", "lm") == "translation" or (config.get("model") or {}).get("family") == "seq2seq":
+    if config.get("task", "lm") in ("translation", "nat_translation") or \
+            (config.get("model") or {}).get("family") in ("seq2seq", "nat"):
         return _evaluate_translation(args, ckpt, config)
     if args.split not in ("train", "val"):
         raise ConfigError(f"--split for a language model is 'train' or 'val', got {args.split!r}")
@@ -248,23 +249,66 @@ def _read_lines(path: str | None) -> list[str]:
 def _translation_model(checkpoint: str | Path, precision: str):
     ckpt = resolve_checkpoint(checkpoint)
     family = (read_config(ckpt).get("model") or {}).get("family", "gpt")
-    if family != "seq2seq":
-        raise ConfigError(f"{ckpt} holds a {family!r} model; translation needs an encoder-decoder (family seq2seq)")
+    if family not in ("seq2seq", "nat"):
+        raise ConfigError(f"{ckpt} holds a {family!r} model; translation needs an encoder-decoder (family seq2seq "
+                          f"or nat)")
     model, _ = load_model(ckpt, dtype=_DTYPES[precision])
     return ckpt, model, load_tokenizer(ckpt)
+
+
+def decoding_options(args: argparse.Namespace, model, tokenizer, precision: str = "fp32") -> dict:
+    """translate()'s keyword arguments from --beam / --iterations / --length-beam / --rescore; options of the
+    other kind of model are one-line errors."""
+    from ..tasks.translation import check_decoding_options
+
+    beam = getattr(args, "beam", None)
+    if beam is not None and beam < 1:
+        raise ConfigError(f"--beam must be >= 1, got {beam}")
+    options = dict(iterations=getattr(args, "iterations", None), length_beam=getattr(args, "length_beam", None))
+    rescore = getattr(args, "rescore", None)
+    if rescore is not None:
+        _, options["rescorer"], rescore_tokenizer = _translation_model(rescore, precision)
+        if rescore_tokenizer.fingerprint != tokenizer.fingerprint or hasattr(options["rescorer"], "decode_parallel"):
+            raise ConfigError(f"--rescore {rescore}: needs the autoregressive model whose tokenizer this model was "
+                              "trained with (data.tokenizer_from)")
+    parallel = hasattr(model, "decode_parallel")
+    if not parallel:
+        options["beam"] = 5 if beam is None else beam
+    elif beam is not None:
+        options["beam"] = beam  # refused below
+    check_decoding_options(model, **options)
+    kind = getattr(model.config, "kind", None)
+    if kind == "cmlm":
+        options["iterations"] = options["iterations"] or 10
+    if kind in ("nat", "cmlm"):
+        options["length_beam"] = options["length_beam"] or 3
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def describe_decoding(options: dict) -> str:
+    """"beam 5", "greedy", "10 iterations, length beam 3", ... for logs and tables."""
+    if "beam" in options:
+        return "greedy" if options["beam"] == 1 else f"beam {options['beam']}"
+    parts = []
+    if "iterations" in options:
+        parts.append(f"{options['iterations']} iteration{'s' if options['iterations'] != 1 else ''}")
+    if "length_beam" in options:
+        parts.append(f"length beam {options['length_beam']}")
+    if "rescorer" in options:
+        parts.append("AR rescoring")
+    return ", ".join(parts) or "parallel"
 
 
 def translate(args: argparse.Namespace) -> int:
     from ..tasks.translation import translate as run
 
-    if args.beam < 1:
-        raise ConfigError(f"--beam must be >= 1, got {args.beam}")
     _, model, tokenizer = _translation_model(args.checkpoint, args.precision)
+    options = decoding_options(args, model, tokenizer, args.precision)
     lines = _read_lines(args.input)
     keep = [i for i, line in enumerate(lines) if line.strip()]
     out = [""] * len(lines)  # an empty input line gives an empty output line
     with torch.inference_mode():
-        for i, text in zip(keep, run(model, tokenizer, [lines[i] for i in keep], beam=args.beam,
+        for i, text in zip(keep, run(model, tokenizer, [lines[i] for i in keep], **options,
                                      length_penalty=args.length_penalty, max_tokens=args.max_tokens,
                                      no_repeat_ngram_size=args.no_repeat_ngram_size,
                                      truncate=args.too_long == "truncate"), strict=True):
@@ -288,6 +332,7 @@ def _evaluate_translation(args: argparse.Namespace, ckpt: Path, config: dict) ->
     for name in metrics:  # an unknown metric name fails here, before any decoding
         METRICS.get(name)
     _, model, tokenizer = _translation_model(ckpt, args.precision)
+    options = decoding_options(args, model, tokenizer, args.precision)
     if args.source is not None:
         sources, references, what = _read_lines(args.source), _read_lines(args.reference), args.source
         if len(sources) != len(references):
@@ -295,23 +340,26 @@ def _evaluate_translation(args: argparse.Namespace, ckpt: Path, config: dict) ->
     else:
         from ..config import from_dict
         from ..data.parallel import read_parallel
+        from ..tasks.nat import NATDataConfig
 
-        data = from_dict(TranslationDataConfig, config.get("data") or {}, prefix="data")
+        data_cls = NATDataConfig if config.get("task") == "nat_translation" else TranslationDataConfig
+        data = from_dict(data_cls, config.get("data") or {}, prefix="data")
         pairs = read_parallel(*data.files(args.split), empty_lines=data.empty_lines)
         sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
         what = f"{args.split} ({data.source_lang}->{data.target_lang}, {len(pairs)} sentences)"
     start = time.perf_counter()
     with torch.inference_mode():
-        hypotheses = run(model, tokenizer, sources, beam=args.beam)
+        hypotheses = run(model, tokenizer, sources, **options)
     seconds = time.perf_counter() - start
     if args.output:
         Path(args.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
     result = compute_metrics(metrics, hypotheses, references)
     if args.json:
-        print(json.dumps({"checkpoint": str(ckpt), "data": what, "beam": args.beam, **result.scores,
+        print(json.dumps({"checkpoint": str(ckpt), "data": what, "decoding": describe_decoding(options),
+                          **{k: v for k, v in options.items() if k != "rescorer"}, **result.scores,
                           "signatures": result.signatures, "seconds": round(seconds, 2)}))
     else:
-        print(f"{ckpt}: {what}, beam {args.beam}, {seconds:.1f} s")
+        print(f"{ckpt}: {what}, {describe_decoding(options)}, {seconds:.1f} s")
         print(format_metrics(result))
     return 0
 

@@ -1,4 +1,4 @@
-"""``tokenloom train | generate | evaluate | translate | classify | import | export``.
+"""``tokenloom train | generate | evaluate | translate | classify | distill | bench | import | export``.
 
 Errors a user can cause print one line (``error: ...``) and exit with status 2; Ctrl-C exits 130.
 """
@@ -63,7 +63,8 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
                    "batch (the recipe's data.eval_batch_size)")
     p.add_argument("--metrics", nargs="+", default=None, metavar="NAME",
                    help="translation: bleu chrf rouge exact_match (default: bleu chrf)")
-    p.add_argument("--beam", type=int, default=5, help="translation: beam size (1 = greedy)")
+    p.add_argument("--beam", type=int, default=None, help="translation: beam size (1 = greedy; default 5)")
+    _add_parallel_decoding(p, "translation: ")
     p.add_argument("--source", default=None, help="translation: a source file to evaluate instead of a split")
     p.add_argument("--reference", default=None, help="translation: its reference translations (line-aligned)")
     p.add_argument("--output", default=None, help="translation: write the hypotheses to this file; image: the "
@@ -74,13 +75,24 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run("evaluate"))
 
 
+def _add_parallel_decoding(p: argparse.ArgumentParser, prefix: str = "") -> None:
+    p.add_argument("--iterations", type=int, default=None,
+                   help=f"{prefix}cmlm: mask-predict iterations (default 10)")
+    p.add_argument("--length-beam", type=int, default=None,
+                   help=f"{prefix}nat, cmlm: target-length candidates, the best kept (default 3)")
+    p.add_argument("--rescore", default=None, metavar="CHECKPOINT",
+                   help=f"{prefix}nat, cmlm: pick among the length candidates by this autoregressive model's "
+                        "log-probability (same tokenizer)")
+
+
 def _add_translate(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("translate", help="translate sentences with an encoder-decoder checkpoint",
                        description="Translate one sentence per line (stdin or --input) to stdout or --output.")
     p.add_argument("checkpoint", help="checkpoint or run directory of a translation model")
     p.add_argument("--input", default=None, help="source file, one sentence per line (default: stdin)")
     p.add_argument("--output", default=None, help="file for the translations (default: stdout)")
-    p.add_argument("--beam", type=int, default=5, help="beam size (1 = greedy)")
+    p.add_argument("--beam", type=int, default=None, help="beam size (1 = greedy; default 5)")
+    _add_parallel_decoding(p)
     p.add_argument("--length-penalty", type=float, default=1.0,
                    help="beam score = sum of log-probs / length ** this (default 1.0)")
     p.add_argument("--no-repeat-ngram-size", type=int, default=0)
@@ -105,6 +117,40 @@ def _add_classify(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     p.add_argument("--json", action="store_true", help="print the predictions as one JSON object")
     p.set_defaults(func=_run("classify"))
+
+
+def _add_distill(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("distill", help="sequence-level knowledge distillation: a teacher's translations as a corpus",
+                       description="Translate a split's sources with an autoregressive teacher and write them, "
+                                   "line-aligned with the translations, as a data folder (other splits copied) "
+                                   "that a recipe's data.dir can point at.")
+    p.add_argument("checkpoint", help="the teacher: a translation checkpoint or run directory")
+    p.add_argument("--split", default="train", help="split of the teacher's data to translate (default train)")
+    p.add_argument("--beam", type=int, default=5, help="the teacher's beam size (default 5)")
+    p.add_argument("--out", required=True, help="data folder to write")
+    p.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch (times the beam)")
+    p.add_argument("--chunk", type=int, default=1000, help="sentences per progress step")
+    p.add_argument("--limit", type=int, default=None, help="only the first N pairs (a quick look)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    p.set_defaults(func=_run_in("translation", "distill"))
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("bench", help="measure speed (and quality) side by side")
+    bench = p.add_subparsers(dest="bench", metavar="WHAT", required=True)
+    t = bench.add_parser("translate", help="AR greedy / beam 5 and NAT / CMLM / CTC decodings in one table",
+                         description="BLEU and chrF on a split, latency per sentence at batch 1, throughput at "
+                                     "batch --batch and speedup relative to AR beam 5, all measured in this run.")
+    t.add_argument("runs", nargs="+", help="translation checkpoints or run directories (AR and NAT)")
+    t.add_argument("--split", default="test2016")
+    t.add_argument("--batch", type=int, default=64, help="sentences per batch for the throughput (default 64)")
+    t.add_argument("--latency-sentences", type=int, default=200,
+                   help="sentences translated one at a time for the batch-1 latency (default 200)")
+    t.add_argument("--limit", type=int, default=None, help="only the first N sentences of the split")
+    t.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    t.add_argument("--out", default=None, help="folder for translate-bench.md / .csv / .png")
+    t.set_defaults(func=_run_in("translation", "bench_translate"))
 
 
 _DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
@@ -148,6 +194,15 @@ def _run(name: str) -> Callable[[argparse.Namespace], int]:
     return call
 
 
+def _run_in(module: str, name: str) -> Callable[[argparse.Namespace], int]:
+    def call(args: argparse.Namespace) -> int:
+        import importlib
+
+        return getattr(importlib.import_module(f".{module}", __package__), name)(args)
+
+    return call
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="tokenloom", description="The Transformer family on an ordinary machine.")
     parser.add_argument("--version", action="version", version="tokenloom 0.1.0")
@@ -157,6 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_evaluate(sub)
     _add_translate(sub)
     _add_classify(sub)
+    _add_distill(sub)
+    _add_bench(sub)
     _add_import(sub)
     _add_export(sub)
     return parser

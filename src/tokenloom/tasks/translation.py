@@ -15,6 +15,7 @@ beam search), batching sentences of similar length.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -102,13 +103,7 @@ class TranslationTask:
               scheduled_sampling: Any = None) -> tuple[TranslationTask, nn.Module, Tokenizer, dict[str, Any]]:
         """Joint BPE (trained on the training pairs unless given), encoded splits under ``run_dir/data``,
         and the model with its vocabulary and special ids taken from the tokenizer."""
-        if tokenizer is None:
-            pairs = read_parallel(*data.files(data.train), empty_lines=data.empty_lines)
-            tokenizer = Tokenizer.train_joint_bpe([text for pair in pairs for text in pair], data.vocab_size)
-        dataset = ParallelDataset.prepare({split: data.files(split) for split in data.splits}, tokenizer,
-                                          Path(run_dir) / "data", max_source_len=data.max_source_len,
-                                          max_target_len=data.max_target_len, empty_lines=data.empty_lines,
-                                          train_splits=(data.train,))
+        tokenizer, dataset = cls.prepare_data(data, run_dir, tokenizer)
         ids = special_ids(tokenizer)
         vocab = model_section.get("vocab_size") or tokenizer.vocab_size
         check(vocab >= tokenizer.vocab_size,
@@ -117,12 +112,28 @@ class TranslationTask:
                    "max_source_len": max(model_section.get("max_source_len", 0), data.max_source_len),
                    "max_target_len": max(model_section.get("max_target_len", 0), data.max_target_len)}
         family, model_config = model_config_from_dict(section)
-        if not hasattr(MODELS.get(family)[1], "decoder_for"):
-            raise ConfigError(f"task 'translation' needs an encoder-decoder model (family seq2seq), got {family!r}")
+        model_cls = MODELS.get(family)[1]
+        if not hasattr(model_cls, "decoder_for") or hasattr(model_cls, "decode_parallel"):
+            raise ConfigError(f"task 'translation' needs an autoregressive encoder-decoder model (family seq2seq), "
+                              f"got {family!r}" + (" (train it with task nat_translation)" if family == "nat" else ""))
         model = create_model(family, model_config)
         task = cls(dataset, data, tokenizer, seed=seed, label_smoothing=label_smoothing, eval_batches=eval_batches)
         task.scheduled_sampling = scheduled_sampling
         return task, model, tokenizer, {"family": family, **{k: v for k, v in section.items() if k != "family"}}
+
+    @staticmethod
+    def prepare_data(data: TranslationDataConfig, run_dir: Path,
+                     tokenizer: Tokenizer | None) -> tuple[Tokenizer, ParallelDataset]:
+        """The tokenizer (a joint BPE trained on the training pairs unless given) and every split encoded
+        under ``run_dir/data``."""
+        if tokenizer is None:
+            pairs = read_parallel(*data.files(data.train), empty_lines=data.empty_lines)
+            tokenizer = Tokenizer.train_joint_bpe([text for pair in pairs for text in pair], data.vocab_size)
+        dataset = ParallelDataset.prepare({split: data.files(split) for split in data.splits}, tokenizer,
+                                          Path(run_dir) / "data", max_source_len=data.max_source_len,
+                                          max_target_len=data.max_target_len, empty_lines=data.empty_lines,
+                                          train_splits=(data.train,))
+        return tokenizer, dataset
 
     # ---- training -----------------------------------------------------------------------------
 
@@ -210,23 +221,12 @@ class TranslationTask:
         return metrics
 
 
-def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, beam: int = 1,
-              length_penalty: float = 1.0, max_tokens: int = 4096, max_len_a: float = 1.5, max_len_b: int = 10,
-              no_repeat_ngram_size: int = 0, truncate: bool = True) -> list[str]:
-    """Translate ``sentences`` (in order) with an encoder-decoder: greedy (``beam=1``) or beam search.
-
-    Sentences are sorted by length and batched up to ``max_tokens`` source tokens (times the beam); each
-    batch generates at most ``max_len_a * source_length + max_len_b`` tokens (capped by the model's
-    target limit). A source longer than the model's limit is truncated with a warning (``truncate``) or
-    refused with a one-line error.
-    """
-    from ..generation import GenerationConfig, generate
-
-    if not hasattr(model, "decoder_for"):
-        raise ConfigError(f"translation needs an encoder-decoder model, got {type(model).__name__}")
-    c = model.config
-    ids = special_ids(tokenizer)
-    limit = c.max_source_len
+def encode_sources(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *,
+                   truncate: bool = True) -> list[list[int]]:
+    """Source ids (tokens + EOS) of each sentence; one longer than the model's source limit is truncated with
+    a warning (``truncate``) or refused with a one-line error."""
+    eos = special_ids(tokenizer)["eos_id"]
+    limit = model.config.max_source_len
     encoded, truncated = [], 0
     for i, text in enumerate(sentences):
         tokens = tokenizer.encode(text)
@@ -235,43 +235,108 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
                 raise GenerationError(f"sentence {i + 1} has {len(tokens) + 1} tokens, more than the model's "
                                       f"source limit of {limit}")
             tokens, truncated = tokens[:limit - 1], truncated + 1
-        encoded.append(tokens + [ids["eos_id"]])
+        encoded.append(tokens + [eos])
     if truncated:
         import warnings
 
         warnings.warn(f"{truncated} source sentence(s) longer than the model's limit of {limit} tokens were "
-                      f"truncated", stacklevel=2)
+                      f"truncated", stacklevel=3)
+    return encoded
+
+
+def source_batches(encoded: list[list[int]], max_tokens: int, pad_id: int, *, rows_per_sentence: int = 1,
+                   device: torch.device | str = "cpu") -> Iterator[tuple[list[int], Tensor, Tensor]]:
+    """Sentences sorted by length in batches of at most ``max_tokens`` padded source tokens (times
+    ``rows_per_sentence``): (their indices, source ids (B, S) right-padded, mask (B, S))."""
     order = sorted(range(len(encoded)), key=lambda i: len(encoded[i]))
+    start = 0
+    while start < len(order):
+        end = start + 1
+        while end < len(order) and (end - start + 1) * len(encoded[order[end]]) * rows_per_sentence <= max_tokens:
+            end += 1
+        chunk = order[start:end]
+        S = max(len(encoded[i]) for i in chunk)
+        source = torch.full((len(chunk), S), pad_id, dtype=torch.long)
+        mask = torch.zeros(len(chunk), S, dtype=torch.long)
+        for row, i in enumerate(chunk):
+            source[row, :len(encoded[i])] = torch.tensor(encoded[i])
+            mask[row, :len(encoded[i])] = 1
+        yield chunk, source.to(device), mask.to(device)
+        start = end
+
+
+def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, beam: int = 1,
+              length_penalty: float = 1.0, max_tokens: int = 4096, max_len_a: float = 1.5, max_len_b: int = 10,
+              no_repeat_ngram_size: int = 0, truncate: bool = True, iterations: int | None = None,
+              length_beam: int | None = None, rescorer: nn.Module | None = None) -> list[str]:
+    """Translate ``sentences`` (in order) with an encoder-decoder: greedy (``beam=1``) or beam search; a
+    non-autoregressive model (:mod:`tokenloom.models.nat`) decodes in parallel instead (``iterations`` for
+    cmlm, ``length_beam`` and ``rescorer`` for nat and cmlm; defaults 10 and 3; see
+    :func:`tokenloom.generation.nat.nat_decode`).
+
+    Sentences are sorted by length and batched up to ``max_tokens`` source tokens (times the beam); each
+    batch generates at most ``max_len_a * source_length + max_len_b`` tokens (capped by the model's
+    target limit). A source longer than the model's limit is truncated with a warning (``truncate``) or
+    refused with a one-line error. Options of the other kind of model are refused with a one-line error.
+    """
+    from ..generation import GenerationConfig, generate
+    from ..generation.nat import nat_decode
+
+    if not hasattr(model, "decoder_for"):
+        raise ConfigError(f"translation needs an encoder-decoder model, got {type(model).__name__}")
+    c = model.config
+    parallel = hasattr(model, "decode_parallel")
+    check_decoding_options(model, beam=beam, iterations=iterations, length_beam=length_beam, rescorer=rescorer)
+    ids = special_ids(tokenizer)
+    encoded = encode_sources(model, tokenizer, sentences, truncate=truncate)
     results: list[str] = [""] * len(encoded)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
+    rows = (length_beam or 3) if parallel else beam
     try:
-        start = 0
-        while start < len(order):
-            end = start + 1
-            while end < len(order) and (end - start + 1) * len(encoded[order[end]]) * beam <= max_tokens:
-                end += 1
-            chunk = order[start:end]
-            S = max(len(encoded[i]) for i in chunk)
-            source = torch.full((len(chunk), S), ids["pad_id"], dtype=torch.long)
-            mask = torch.zeros(len(chunk), S, dtype=torch.long)
-            for row, i in enumerate(chunk):
-                source[row, :len(encoded[i])] = torch.tensor(encoded[i])
-                mask[row, :len(encoded[i])] = 1
-            source, mask = source.to(device), mask.to(device)
-            new = min(c.max_target_len - 1, int(max_len_a * S + max_len_b))
-            config = GenerationConfig(max_new_tokens=new, do_sample=False, num_beams=beam,
-                                      length_penalty=length_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-                                      eos_token_id=ids["eos_id"], pad_token_id=ids["pad_id"])
-            bos = torch.full((len(chunk), 1), ids["bos_id"], dtype=torch.long, device=device)
-            out = generate(model.decoder_for(source, mask), bos, config)
-            for row, i in enumerate(chunk):
-                tokens = out[row, 1:].tolist()
-                if ids["eos_id"] in tokens:
-                    tokens = tokens[:tokens.index(ids["eos_id"])]
-                results[i] = tokenizer.decode([t for t in tokens if t != ids["pad_id"]]).strip()
-            start = end
+        for chunk, source, mask in source_batches(encoded, max_tokens, ids["pad_id"], rows_per_sentence=rows,
+                                                  device=device):
+            if parallel:
+                outputs = nat_decode(model, source, mask, iterations=iterations or 10, length_beam=length_beam or 3,
+                                     rescorer=rescorer)
+            else:
+                new = min(c.max_target_len - 1, int(max_len_a * source.shape[1] + max_len_b))
+                config = GenerationConfig(max_new_tokens=new, do_sample=False, num_beams=beam,
+                                          length_penalty=length_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
+                                          eos_token_id=ids["eos_id"], pad_token_id=ids["pad_id"])
+                bos = torch.full((len(chunk), 1), ids["bos_id"], dtype=torch.long, device=device)
+                out = generate(model.decoder_for(source, mask), bos, config)
+                outputs = []
+                for row in range(len(chunk)):
+                    tokens = out[row, 1:].tolist()
+                    if ids["eos_id"] in tokens:
+                        tokens = tokens[:tokens.index(ids["eos_id"])]
+                    outputs.append([t for t in tokens if t != ids["pad_id"]])
+            for i, tokens in zip(chunk, outputs, strict=True):
+                results[i] = tokenizer.decode(tokens).strip()
     finally:
         model.train(was_training)
     return results
+
+
+def check_decoding_options(model: nn.Module, *, beam: int = 1, iterations: int | None = None,
+                           length_beam: int | None = None, rescorer: nn.Module | None = None) -> None:
+    """One-line errors for decoding options that the model's kind does not take."""
+    kind = getattr(model.config, "kind", None)  # nat | cmlm | ctc for non-autoregressive models
+    if kind is None:
+        for name, value in (("iterations", iterations), ("length_beam", length_beam), ("rescorer", rescorer)):
+            if value is not None:
+                raise ConfigError(f"{name.replace('_', ' ')} is an option of non-autoregressive models; this "
+                                  "model is autoregressive (use beam)")
+        return
+    if beam != 1:
+        raise ConfigError(f"beam is an option of autoregressive models; this {kind} model decodes in parallel "
+                          "(use length beam)")
+    if iterations is not None and kind != "cmlm":
+        raise ConfigError(f"iterations is an option of cmlm models; this model is {kind}")
+    if kind == "ctc" and (length_beam is not None or rescorer is not None):
+        raise ConfigError("a ctc model has no length candidates: length beam and rescoring do not apply")
+    for name, value in (("iterations", iterations), ("length_beam", length_beam)):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name.replace('_', ' ')} must be >= 1, got {value}")

@@ -1,0 +1,219 @@
+"""``tokenloom distill`` (sequence-level knowledge distillation) and ``tokenloom bench translate`` (autoregressive
+and non-autoregressive models measured side by side in one run)."""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import datetime
+import io
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import read_config
+from ..config import from_dict
+from ..errors import ConfigError
+from .commands import _translation_model, describe_decoding
+
+
+def _data_config(config: dict):
+    from ..tasks.nat import NATDataConfig
+    from ..tasks.translation import TranslationDataConfig
+
+    cls = NATDataConfig if config.get("task") == "nat_translation" else TranslationDataConfig
+    return from_dict(cls, config.get("data") or {}, prefix="data")
+
+
+def distill(args: argparse.Namespace) -> int:
+    """Translate a split's sources with the teacher and write them with its translations as a new data folder
+    (the other splits copied unchanged), line-aligned; an empty translation keeps the original target."""
+    from tqdm import tqdm
+
+    from ..data.parallel import read_parallel
+    from ..tasks.translation import translate
+
+    ckpt, model, tokenizer = _translation_model(args.checkpoint, args.precision)
+    if hasattr(model, "decode_parallel"):
+        raise ConfigError(f"{ckpt} is a non-autoregressive model; distill from an autoregressive teacher")
+    if args.beam < 1:
+        raise ConfigError(f"--beam must be >= 1, got {args.beam}")
+    data = _data_config(read_config(ckpt))
+    out = Path(args.out)
+    if out.exists() and any(out.iterdir()) and not args.force:
+        raise ConfigError(f"{out} is not empty: choose another --out or add --force")
+    pairs = read_parallel(*data.files(args.split), empty_lines=data.empty_lines)
+    if args.limit is not None:
+        pairs = pairs[:args.limit]
+    sources = [source for source, _ in pairs]
+    start = time.perf_counter()
+    hypotheses: list[str] = []
+    with torch.inference_mode(), tqdm(total=len(sources), desc="distill", unit="sent", disable=None) as bar:
+        for i in range(0, len(sources), args.chunk):
+            hypotheses += translate(model, tokenizer, sources[i:i + args.chunk], beam=args.beam,
+                                    max_tokens=args.max_tokens)
+            bar.update(len(sources[i:i + args.chunk]))
+    seconds = time.perf_counter() - start
+    hypotheses = [" ".join(h.split()) for h in hypotheses]  # a line break inside one would break the alignment
+    empty = [i for i, h in enumerate(hypotheses) if not h]
+    for i in empty:
+        hypotheses[i] = pairs[i][1]
+    out.mkdir(parents=True, exist_ok=True)
+    src_name, tgt_name = (Path(p).name for p in data.files(args.split))
+    for name, lines in ((src_name, sources), (tgt_name, hypotheses)):
+        tmp = out / f".{name}.tmp"
+        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+        tmp.replace(out / name)
+    copied = []
+    for split in data.splits:
+        if split == args.split:
+            continue
+        for path in data.files(split):
+            if Path(path).is_file():
+                shutil.copyfile(path, out / Path(path).name)
+                copied.append(Path(path).name)
+    notes = Path(data.dir) / "README.md"
+    (out / "README.md").write_text(
+        f"# Distilled {Path(data.dir).name} ({data.source_lang} -> {data.target_lang})\n\n"
+        f"`{args.split}.{data.target_lang}` holds the translations of `{args.split}.{data.source_lang}` by the "
+        f"teacher `{ckpt}` (beam {args.beam}), written by `tokenloom distill` on "
+        f"{datetime.date.today().isoformat()}: {len(sources)} sentences in {seconds:.0f} s; {len(empty)} empty "
+        f"translation(s) replaced by the original target. Other files are copies of `{data.dir}`: "
+        f"{', '.join(copied) or 'none'}.\n\n"
+        "Origin and licence of the source sentences and references: as for the original corpus"
+        + (f" (its notes follow).\n\n---\n\n{notes.read_text(encoding='utf-8')}" if notes.is_file() else ".\n"),
+        encoding="utf-8")
+    print(f"distilled {len(sources)} {args.split} sentences with {ckpt} (beam {args.beam}) in {seconds:.0f} s -> "
+          f"{out}; {len(empty)} empty translation(s) kept the original target", file=sys.stderr)
+    return 0
+
+
+# ---- bench translate --------------------------------------------------------------------------------
+
+def _variants(model, can_rescore: bool) -> list[dict]:
+    """The decodings a model contributes to the table."""
+    kind = getattr(model.config, "kind", None)
+    if kind is None:
+        return [dict(beam=1), dict(beam=5)]
+    if kind == "ctc":
+        return [{}]
+    if kind == "nat":
+        return [dict(length_beam=1), dict(length_beam=3)] + ([dict(length_beam=3, rescore=True)]
+                                                              if can_rescore else [])
+    return [dict(iterations=1, length_beam=3), dict(iterations=4, length_beam=3), dict(iterations=10, length_beam=3)]
+
+
+def _label(model, options: dict) -> str:
+    kind = getattr(model.config, "kind", None)
+    name = {"nat": "NAT", "cmlm": "CMLM", "ctc": "CTC", None: "AR"}[kind]
+    return f"{name} {describe_decoding(options)}"
+
+
+def bench_translate(args: argparse.Namespace) -> int:
+    """BLEU / chrF on a split, latency per sentence at batch 1, throughput at batch ``--batch``, speedup over AR
+    beam 5; every model and decoding measured in this one run. Markdown and CSV (and a PNG) under --out."""
+    from ..evaluation import compute_metrics
+    from ..tasks.translation import translate
+
+    for name in ("batch", "latency_sentences"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    models = [_translation_model(path, args.precision) for path in args.runs]
+    sources = references = None
+    for ckpt, _, _ in models:
+        data = _data_config(read_config(ckpt))
+        if not Path(data.files(args.split)[0]).is_file():
+            raise ConfigError(f"{ckpt}: its data has no {args.split!r} split ({data.files(args.split)[0]})")
+        if sources is None:
+            from ..data.parallel import read_parallel
+
+            pairs = read_parallel(*data.files(args.split), empty_lines=data.empty_lines)
+            if args.limit is not None:
+                pairs = pairs[:args.limit]
+            sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
+    teacher, teacher_tokenizer = next(((m, t) for _, m, t in models if not hasattr(m, "decode_parallel")),
+                                      (None, None))
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    latency_set = sources[:args.latency_sentences]
+    rows = []
+    torch.manual_seed(0)
+    for ckpt, model, tokenizer in models:
+        shares_vocabulary = teacher is not None and tokenizer.fingerprint == teacher_tokenizer.fingerprint
+        for variant in _variants(model, shares_vocabulary):
+            options = {k: v for k, v in variant.items() if k != "rescore"}
+            if variant.get("rescore"):
+                options["rescorer"] = teacher
+            label = _label(model, options)
+            with torch.inference_mode():
+                translate(model, tokenizer, latency_set[:2], **options)  # warm-up
+                start = time.perf_counter()
+                hypotheses = [""] * len(sources)
+                for i in range(0, len(order), args.batch):
+                    chunk = order[i:i + args.batch]
+                    for j, h in zip(chunk, translate(model, tokenizer, [sources[k] for k in chunk], **options,
+                                                     max_tokens=1 << 30), strict=True):
+                        hypotheses[j] = h
+                batch_seconds = time.perf_counter() - start
+                latencies = []
+                for sentence in latency_set:
+                    t0 = time.perf_counter()
+                    translate(model, tokenizer, [sentence], **options)
+                    latencies.append(time.perf_counter() - t0)
+            scores = compute_metrics(["bleu", "chrf"], hypotheses, references).scores
+            rows.append(dict(run=str(ckpt), model=label, bleu=round(scores["bleu"], 2), chrf=round(scores["chrf"], 2),
+                             latency_ms=round(1000 * statistics.mean(latencies), 2),
+                             throughput=round(len(sources) / batch_seconds, 1)))
+            print(f"  {label:<38} BLEU {rows[-1]['bleu']:6.2f}  chrF {rows[-1]['chrf']:6.2f}  "
+                  f"{rows[-1]['latency_ms']:8.1f} ms/sentence (batch 1)  {rows[-1]['throughput']:8.1f} sentences/s "
+                  f"(batch {args.batch})", file=sys.stderr, flush=True)
+    base = next((r for r in rows if r["model"] == "AR beam 5"), None)
+    for r in rows:
+        r["speedup_vs_ar_beam5"] = round(base["latency_ms"] / r["latency_ms"], 2) if base else None
+    header = ["model", "bleu", "chrf", "latency_ms", "throughput", "speedup_vs_ar_beam5", "run"]
+    titles = ["model / decoding", "BLEU", "chrF", f"ms/sentence (batch 1, {len(latency_set)} sent.)",
+              f"sentences/s (batch {args.batch})", "speedup vs AR beam 5 (batch 1)", "run"]
+    lines = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
+    lines += ["| " + " | ".join(str(r[k]) if r[k] is not None else "-" for k in header) + " |" for r in rows]
+    table = "\n".join(lines)
+    print(f"{args.split}: {len(sources)} sentences, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+          f"{args.precision}\n\n{table}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "translate-bench.md").write_text(table + "\n", encoding="utf-8")
+        buffer = io.StringIO()
+        writer = csv.DictWriter(buffer, fieldnames=header)
+        writer.writeheader()
+        writer.writerows(rows)
+        (out / "translate-bench.csv").write_text(buffer.getvalue(), encoding="utf-8")
+        _scatter(rows, out / "translate-bench.png")
+    return 0
+
+
+def _scatter(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed (pip install 'tokenloom[viz]'): no speed/quality plot",
+              file=sys.stderr)
+        return
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        ax.scatter(r["latency_ms"], r["bleu"])
+        ax.annotate(r["model"], (r["latency_ms"], r["bleu"]), textcoords="offset points", xytext=(4, 4),
+                    fontsize=7)
+    ax.set_xscale("log")
+    ax.set_xlabel("latency per sentence at batch 1 (ms, log scale)")
+    ax.set_ylabel("BLEU")
+    ax.set_title("speed / quality")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

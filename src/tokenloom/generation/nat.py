@@ -1,0 +1,123 @@
+"""Parallel decoding of non-autoregressive translation models (:mod:`tokenloom.models.nat`).
+
+* ``nat``: the top-``length_beam`` lengths of the length predictor, one parallel argmax pass for each, the
+  candidate with the best average log-probability kept (or the best under an autoregressive ``rescorer``);
+* ``cmlm``: Mask-Predict over the top-``length_beam`` lengths: iteration 0 predicts every position; after
+  iteration t (of T) the n = floor(L (T - 1 - t) / T) least confident tokens are re-masked and predicted again
+  (only masked positions change, with their probabilities); T = 1 is the plain parallel argmax;
+* ``ctc``: one argmax pass over the upsampled source, repeats merged, blanks dropped.
+
+Shapes: source (B, S) ids right-padded, source_mask (B, S); results are lists of token ids per sentence
+(no BOS / EOS / padding).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from ..errors import GenerationError
+from ..models.nat import NonAutoregressiveTransformer, ctc_collapse
+
+
+def _ban(logits: Tensor, ids: list[int]) -> Tensor:
+    if ids:
+        logits[..., ids] = float("-inf")
+    return logits
+
+
+def remask(log_probs: Tensor, real: Tensor, lengths: Tensor, iteration: int, iterations: int) -> Tensor:
+    """After ``iteration`` (0-based) of ``iterations``: (N, T) bool, True at the n = floor(L (T' - 1 - t) / T')
+    real positions of lowest ``log_probs`` in each row (T' = iterations, L = the row's length)."""
+    N, T = log_probs.shape
+    counts = (lengths * (iterations - 1 - iteration)) // iterations  # (N,)
+    order = log_probs.masked_fill(~real, float("inf")).argsort(dim=1, stable=True)  # ascending confidence
+    rank = torch.empty_like(order).scatter_(1, order, torch.arange(T, device=order.device).expand(N, T))
+    return (rank < counts[:, None]) & real
+
+
+def mask_predict(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, memory: Tensor,
+                 lengths: Tensor, iterations: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Mask-Predict for N = B * l rows (sources, masks and memory already repeated per length candidate) of
+    ``lengths`` (N,) -> (tokens (N, T), their log-probabilities (N, T), real-position mask (N, T))."""
+    c = model.config
+    N, T = lengths.shape[0], int(lengths.max())
+    real = torch.arange(T, device=lengths.device)[None] < lengths[:, None]
+    tokens = torch.full((N, T), c.mask_id, dtype=torch.long, device=lengths.device).masked_fill(~real, c.pad_id)
+    log_probs = torch.zeros(N, T, device=lengths.device)
+    masked = real.clone()
+    for t in range(iterations):
+        inputs, decoder_mask = model.decoder_inputs(source, source_mask, tokens=tokens)
+        logits = _ban(model.decode_parallel(inputs, decoder_mask, memory, source_mask).float(), c.banned_ids)
+        best_lp, best = F.log_softmax(logits, dim=-1).max(dim=-1)  # (N, T)
+        tokens = torch.where(masked, best, tokens)
+        log_probs = torch.where(masked, best_lp, log_probs)
+        if t == iterations - 1:
+            break
+        masked = remask(log_probs, real, lengths, t, iterations)
+        tokens = tokens.masked_fill(masked, c.mask_id)
+    return tokens, log_probs, real
+
+
+def best_candidates(scores: Tensor) -> Tensor:
+    """(B, l) candidate scores -> (B,) index of the highest-scoring candidate of each sentence (the first on
+    ties)."""
+    return scores.argmax(dim=1)
+
+
+@torch.no_grad()
+def rescore(rescorer: nn.Module, source: Tensor, source_mask: Tensor, tokens: Tensor, real: Tensor) -> Tensor:
+    """Average log-probability of each candidate (N, T) under an autoregressive encoder-decoder ``rescorer``
+    (teacher forcing: BOS + tokens -> tokens + EOS) -> (N,)."""
+    c = rescorer.config
+    N = tokens.shape[0]
+    lengths = real.sum(1)
+    body = tokens.masked_fill(~real, c.pad_id)
+    bos = torch.full((N, 1), c.bos_id, dtype=torch.long, device=tokens.device)
+    pad = torch.full((N, 1), c.pad_id, dtype=torch.long, device=tokens.device)
+    target_in = torch.cat([bos, body], dim=1)
+    target_out = torch.cat([body, pad], dim=1).scatter(1, lengths[:, None], c.eos_id)
+    logp = F.log_softmax(rescorer(source, target_in, source_mask).float(), dim=-1)
+    token_lp = logp.gather(-1, target_out[..., None]).squeeze(-1)  # (N, T + 1)
+    keep = torch.arange(target_out.shape[1], device=tokens.device)[None] <= lengths[:, None]
+    return (token_lp * keep).sum(1) / keep.sum(1)
+
+
+@torch.no_grad()
+def nat_decode(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, *, iterations: int = 10,
+               length_beam: int = 1, rescorer: nn.Module | None = None) -> list[list[int]]:
+    """Translate a batch of sources in parallel; see the module docstring. ``iterations`` applies to cmlm,
+    ``length_beam`` to nat and cmlm, ``rescorer`` (an autoregressive model on the same vocabulary) picks among
+    the length candidates instead of their own average log-probability."""
+    c = model.config
+    if iterations < 1:
+        raise GenerationError(f"iterations must be >= 1, got {iterations}")
+    if length_beam < 1:
+        raise GenerationError(f"length_beam must be >= 1, got {length_beam}")
+    B = source.shape[0]
+    memory = model.encode(source, source_mask)
+    if c.kind == "ctc":
+        inputs, decoder_mask = model.decoder_inputs(source, source_mask)
+        logits = _ban(model.decode_parallel(inputs, decoder_mask, memory, source_mask).float(), c.banned_ids)
+        best = logits.argmax(-1)
+        lengths = decoder_mask.sum(1).tolist()
+        return [ctc_collapse(best[b, :lengths[b]].tolist(), c.blank_id) for b in range(B)]
+    beam = min(length_beam, c.num_length_classes)
+    classes = model.length_logits(memory, source_mask).float().topk(beam, dim=-1).indices  # (B, l)
+    lengths = model.lengths_of(classes, source_mask.sum(1)).reshape(-1)  # (B * l,)
+    src, src_mask, mem = (t.repeat_interleave(beam, dim=0) for t in (source, source_mask, memory))
+    if c.kind == "cmlm":
+        tokens, log_probs, real = mask_predict(model, src, src_mask, mem, lengths, iterations)
+    else:
+        inputs, decoder_mask = model.decoder_inputs(src, src_mask, lengths)
+        logits = _ban(model.decode_parallel(inputs, decoder_mask, mem, src_mask).float(), c.banned_ids)
+        log_probs, tokens = F.log_softmax(logits, dim=-1).max(dim=-1)
+        real = decoder_mask.bool()
+    if rescorer is not None and beam > 1:
+        scores = rescore(rescorer, src, src_mask, tokens, real)
+    else:
+        scores = (log_probs * real).sum(1) / real.sum(1)
+    choice = best_candidates(scores.view(B, beam))
+    rows = torch.arange(B, device=source.device) * beam + choice
+    return [tokens[r, :int(real[r].sum())].tolist() for r in rows.tolist()]

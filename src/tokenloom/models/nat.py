@@ -1,0 +1,224 @@
+"""Non-autoregressive translation: every target token predicted at once, by one model class in three kinds.
+
+Shape legend: B batch, S source length, T decoder length, C embed_dim, V vocab_size, K length classes,
+L target length (tokens only: no BOS, no EOS).
+
+* ``nat`` (Gu et al. 2018): a length predictor over the encoder output; the decoder's inputs are a uniform copy
+  of the source embeddings (``decoder_input: copy``: target position j reads source position
+  floor(j * S_i / T_i)) or position queries alone (``position``); one pass, no causal mask.
+* ``cmlm`` (Mask-Predict, Ghazvininejad et al. 2019): the decoder reads the target with some tokens replaced by
+  ``<mask>``; trained on a uniformly random number of masked tokens per sentence; decoded by iterative
+  re-masking of the least confident tokens (:mod:`tokenloom.generation.nat`).
+* ``ctc`` (Libovický & Helcl 2018): the decoder reads the source embeddings, each repeated ``ctc_upsample``
+  times (T = k * S); trained with CTC over a ``<blank>`` token; decoding collapses repeats and drops blanks.
+
+The encoder, the decoder blocks (self-attention without the causal mask, cross-attention, MLP), the embeddings
+and the output projection are :class:`~tokenloom.models.seq2seq.EncoderDecoder`'s. The length predictor
+(``nat``, ``cmlm``) classifies the masked mean of the encoder output into the target length
+(``length_prediction: classify``, 0..max_target_len) or its offset from the source length (``offset``,
+-max_length_offset..+max_length_offset).
+
+``<mask>`` and ``<blank>`` are ids past the tokenizer's vocabulary (``mask_id``, ``blank_id``, set by the
+``nat_translation`` task); decoding never emits them, nor padding, BOS or EOS.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from ..config import check
+from ..errors import GenerationError
+from .registry import MODELS
+from .seq2seq import EncoderDecoder, Seq2SeqConfig, _additive_mask
+
+NAT_KINDS = ("nat", "cmlm", "ctc")
+DECODER_INPUTS = ("copy", "position")
+LENGTH_PREDICTIONS = ("offset", "classify")
+NAT_POSITIONS = ("sinusoidal", "sinusoidal_halves", "learned", "rope", "none")
+
+
+@dataclass
+class NATConfig(Seq2SeqConfig):
+    kind: str = "cmlm"  # nat | cmlm | ctc
+    decoder_input: str = "copy"  # nat: copy (uniform copy of the source embeddings) | position (queries only)
+    length_prediction: str = "offset"  # offset (target - source length) | classify (the target length)
+    max_length_offset: int = 32  # offsets predicted in [-m, m] (longer gaps are clamped)
+    length_loss_weight: float = 0.1  # weight of the length predictor's cross-entropy in the loss
+    ctc_upsample: int = 3  # ctc: decoder positions per source position
+    mask_id: int = -1  # cmlm: the <mask> id (the task sets it past the tokenizer's vocabulary)
+    blank_id: int = -1  # ctc: the <blank> id (likewise)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check(self.kind in NAT_KINDS, f"kind must be one of {', '.join(NAT_KINDS)}, got {self.kind!r}")
+        check(self.decoder_input in DECODER_INPUTS,
+              f"decoder_input must be one of {', '.join(DECODER_INPUTS)}, got {self.decoder_input!r}")
+        check(self.length_prediction in LENGTH_PREDICTIONS,
+              f"length_prediction must be one of {', '.join(LENGTH_PREDICTIONS)}, got {self.length_prediction!r}")
+        check(self.position in NAT_POSITIONS, f"position {self.position!r} is causal-only here; a "
+              f"non-autoregressive decoder takes one of {', '.join(NAT_POSITIONS)}")
+        check(self.max_length_offset >= 1, f"max_length_offset must be >= 1, got {self.max_length_offset}")
+        check(self.length_loss_weight >= 0, f"length_loss_weight must be >= 0, got {self.length_loss_weight}")
+        check(isinstance(self.ctc_upsample, int) and self.ctc_upsample >= 1,
+              f"ctc_upsample must be a positive integer, got {self.ctc_upsample!r}")
+        for name in ("mask_id", "blank_id"):  # -1: not set yet (the nat_translation task sets them)
+            value = getattr(self, name)
+            check(value == -1 or 0 <= value < self.vocab_size,
+                  f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
+
+    def check_special_ids(self) -> None:
+        """What a model needs beyond a valid config: kind cmlm a ``<mask>`` id; kind ctc a ``<blank>`` id and
+        room for the upsampled source in ``max_target_len``."""
+        if self.kind == "cmlm":
+            check(0 <= self.mask_id < self.vocab_size,
+                  f"mask_id={self.mask_id} is outside the vocabulary [0, {self.vocab_size}) (kind cmlm needs one)")
+        if self.kind == "ctc":
+            check(0 <= self.blank_id < self.vocab_size,
+                  f"blank_id={self.blank_id} is outside the vocabulary [0, {self.vocab_size}) (kind ctc needs one)")
+            check(self.max_target_len >= self.ctc_upsample * self.max_source_len,
+                  f"max_target_len={self.max_target_len} must hold ctc_upsample * max_source_len = "
+                  f"{self.ctc_upsample * self.max_source_len} decoder positions")
+
+    @property
+    def num_length_classes(self) -> int:
+        return 2 * self.max_length_offset + 1 if self.length_prediction == "offset" else self.max_target_len + 1
+
+    @property
+    def banned_ids(self) -> list[int]:
+        """Ids a decoded sentence never contains: padding, BOS, EOS and every id from the first one added past
+        the tokenizer's (``<mask>``, ``<blank>``, padding of the vocabulary) on, except a ctc model's
+        ``<blank>`` (which its decoding removes itself)."""
+        added = [i for i in (self.mask_id, self.blank_id) if i >= 0]
+        extra = range(min(added), self.vocab_size) if added else range(0)
+        keep = self.blank_id if self.kind == "ctc" else -1
+        return sorted({self.pad_id, self.bos_id, self.eos_id, *extra} - {keep})
+
+
+class NonAutoregressiveTransformer(EncoderDecoder):
+    """The encoder-decoder with a bidirectional decoder, a length predictor and NAT / CMLM / CTC inputs."""
+
+    def __init__(self, config: NATConfig) -> None:
+        config.check_special_ids()
+        super().__init__(config)
+        self.length_head = nn.Linear(config.embed_dim, config.num_length_classes) if config.kind != "ctc" else None
+        if self.length_head is not None:
+            nn.init.normal_(self.length_head.weight, std=0.02)
+            nn.init.zeros_(self.length_head.bias)
+
+    # ---- lengths ----------------------------------------------------------------------------------
+
+    def length_logits(self, memory: Tensor, source_mask: Tensor) -> Tensor:
+        """(B, S, C) encoder output -> (B, K) length-class logits from its masked mean."""
+        if self.length_head is None:
+            raise GenerationError("a ctc model has no length predictor: its length is ctc_upsample x the source")
+        weights = source_mask.to(memory.dtype).unsqueeze(-1)  # (B, S, 1)
+        pooled = (memory * weights).sum(1) / weights.sum(1).clamp(min=1.0)
+        return self.length_head(pooled)
+
+    def length_classes(self, source_lengths: Tensor, target_lengths: Tensor) -> Tensor:
+        """The class of each target length (clamped into the predictor's range)."""
+        c = self.config
+        if c.length_prediction == "offset":
+            offset = (target_lengths - source_lengths).clamp(-c.max_length_offset, c.max_length_offset)
+            return offset + c.max_length_offset
+        return target_lengths.clamp(0, c.max_target_len)
+
+    def lengths_of(self, classes: Tensor, source_lengths: Tensor) -> Tensor:
+        """Target lengths (>= 1, < max_target_len: room for the EOS an autoregressive rescorer adds) of length
+        classes (B, l) for sources of (B,) lengths."""
+        c = self.config
+        lengths = classes - c.max_length_offset + source_lengths[:, None] if c.length_prediction == "offset" \
+            else classes
+        return lengths.clamp(1, max(c.max_target_len - 1, 1))
+
+    # ---- decoder inputs ---------------------------------------------------------------------------
+
+    def decoder_inputs(self, source: Tensor, source_mask: Tensor, target_lengths: Tensor | None = None,
+                       tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        """The decoder's input embeddings (B, T, C) and its mask (B, T) (1 = a position):
+
+        * cmlm: ``tokens`` (B, T) (targets with ``<mask>`` ids, padded) embedded;
+        * nat: for ``target_lengths`` (B,), a uniform copy of the source embeddings (``copy``) or zeros
+          (``position``); T = the longest length;
+        * ctc: the source embeddings, each position repeated ``ctc_upsample`` times; T = k * S.
+
+        Positions are added by the decoder (:meth:`decode_parallel`)."""
+        c = self.config
+        if c.kind == "cmlm":
+            if tokens is None:
+                raise GenerationError("a cmlm decoder reads target tokens (with <mask> ids)")
+            return self._scaled(self.tgt_embed(tokens)), (tokens != c.pad_id).long()
+        source_embeds = self._scaled(self.src_embed(source))  # (B, S, C)
+        source_lengths = source_mask.sum(1)
+        if c.kind == "ctc":
+            k = c.ctc_upsample
+            return source_embeds.repeat_interleave(k, dim=1), source_mask.repeat_interleave(k, dim=1)
+        if target_lengths is None:
+            raise GenerationError("a nat decoder needs the target lengths")
+        T = int(target_lengths.max())
+        positions = torch.arange(T, device=source.device)
+        mask = (positions[None] < target_lengths[:, None]).long()  # (B, T)
+        if c.decoder_input == "position":
+            return source_embeds.new_zeros(source.shape[0], T, c.embed_dim), mask
+        # uniform copy: target position j of a length-L_i sentence reads source position floor(j * S_i / L_i)
+        index = (positions[None] * source_lengths[:, None]) // target_lengths.clamp(min=1)[:, None]  # (B, T)
+        index = index.clamp(max=source.shape[1] - 1)
+        return source_embeds.gather(1, index[..., None].expand(-1, -1, c.embed_dim)), mask
+
+    def _scaled(self, x: Tensor) -> Tensor:
+        return x * self.embed_scale if self.embed_scale != 1.0 else x
+
+    # ---- the parallel decoder ---------------------------------------------------------------------
+
+    def decode_parallel(self, inputs: Tensor, target_mask: Tensor, memory: Tensor, source_mask: Tensor) -> Tensor:
+        """inputs (B, T, C), target_mask (B, T), memory (B, S, C), source_mask (B, S) -> (B, T, V) logits;
+        every position attends to every non-padding position (no causal mask)."""
+        B, T, _ = inputs.shape
+        if T > self.config.max_target_len:
+            raise GenerationError(f"decoder length {T} exceeds the model's limit of {self.config.max_target_len}")
+        positions = torch.arange(T, device=inputs.device)[None].expand(B, T)
+        x = inputs
+        added = self.tgt_position.embed(positions)
+        if added is not None:
+            x = x + added
+        x = self.embed_dropout(x)
+        dtype = self._mask_dtype(x)
+        self_mask = None if bool(target_mask.all()) else _additive_mask(target_mask, dtype)
+        memory_mask = None if bool(source_mask.all()) else _additive_mask(source_mask, dtype)
+        rope = self.tgt_position.rotary(positions)
+        for block in self.decoder:
+            x, _ = block(x, attn_mask=self_mask, is_causal=False, rope=rope, memory=memory, memory_mask=memory_mask)
+        return self.lm_head(self.decoder_norm(x))
+
+    def forward(self, source: Tensor, source_mask: Tensor, target_lengths: Tensor | None = None,
+                tokens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Encode, build the decoder inputs (see :meth:`decoder_inputs`) and decode in parallel:
+        -> (logits (B, T, V), decoder mask (B, T), memory (B, S, C))."""
+        memory = self.encode(source, source_mask)
+        inputs, mask = self.decoder_inputs(source, source_mask, target_lengths, tokens)
+        return self.decode_parallel(inputs, mask, memory, source_mask), mask, memory
+
+
+def ctc_collapse(ids: list[int], blank_id: int) -> list[int]:
+    """CTC's output: merge runs of the same id, then drop blanks (``a a _ a b b`` -> ``a a b``)."""
+    out, previous = [], None
+    for i in ids:
+        if i != previous and i != blank_id:
+            out.append(i)
+        previous = i
+    return out
+
+
+def ctc_loss(logits: Tensor, decoder_mask: Tensor, targets: Tensor, target_lengths: Tensor, blank_id: int) -> Tensor:
+    """Summed CTC negative log-likelihood of ``targets`` (B, L) (padded; ``target_lengths`` (B,)) under
+    ``logits`` (B, T, V) whose first ``decoder_mask.sum(1)`` positions are real; float32 log-softmax."""
+    log_probs = F.log_softmax(logits.float(), dim=-1).transpose(0, 1)  # (T, B, V)
+    return F.ctc_loss(log_probs, targets, decoder_mask.sum(1), target_lengths, blank=blank_id, reduction="sum",
+                      zero_infinity=True)
+
+
+MODELS.register("nat")((NATConfig, NonAutoregressiveTransformer))

@@ -1,0 +1,145 @@
+"""Non-autoregressive translation end to end on a tiny synthetic corpus: distill from an AR teacher, train CMLM
+and CTC on the distilled corpus, translate, evaluate, bench translate; and the bad input."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import pytest
+import yaml
+from test_translation_cli import _corpus  # tests/cli is on sys.path (pytest's prepend import mode)
+
+from tokenloom.cli.main import main
+
+MODEL = {"encoder_layers": 1, "decoder_layers": 1, "num_heads": 2, "embed_dim": 32, "dropout": 0.0,
+         "norm_placement": "pre"}
+DATA = {"source_lang": "xx", "target_lang": "yy", "test": ["test"], "vocab_size": 300, "max_source_len": 32,
+        "max_target_len": 32, "max_tokens": 512, "bleu_sentences": 8}
+TRAIN = {"max_steps": 8, "lr": 3e-3, "warmup_steps": 2, "eval_every": 4, "eval_batches": 2, "checkpoint_every": 4,
+         "precision": "fp32"}
+
+
+def _recipe(root, name, task, model, data, train=None):
+    path = root / f"{name}.yaml"
+    path.write_text(yaml.safe_dump({"task": task, "model": model, "data": data, "train": {**TRAIN, **(train or {})}}))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("nat")
+    corpus = root / "corpus"
+    corpus.mkdir()
+    for name, n, seed in (("train", 120, 0), ("val", 12, 1), ("test", 10, 2)):
+        _corpus(corpus, name, n, seed)
+    ar = _recipe(root, "ar", "translation", MODEL, {**DATA, "dir": str(corpus)})
+    assert main(["train", ar, "--out", str(root / "ar")]) == 0
+    assert main(["distill", str(root / "ar"), "--split", "train", "--beam", "2", "--out", str(root / "distilled")]) == 0
+    nat_data = {**DATA, "dir": str(root / "distilled"), "tokenizer_from": str(root / "ar"), "iterations": 2,
+                "length_beam": 2}
+    for kind in ("cmlm", "ctc"):
+        recipe = _recipe(root, kind, "nat_translation", {**MODEL, "family": "nat", "kind": kind},
+                         {k: v for k, v in nat_data.items() if kind == "cmlm" or k not in ("iterations",)})
+        assert main(["train", recipe, "--out", str(root / kind)]) == 0
+    return root
+
+
+def test_distill_is_line_aligned_with_the_source_and_copies_the_other_splits(runs):
+    corpus, distilled = runs / "corpus", runs / "distilled"
+    assert (distilled / "train.xx").read_text() == (corpus / "train.xx").read_text()
+    hyps = (distilled / "train.yy").read_text().splitlines()
+    assert len(hyps) == 120 and all(h.strip() for h in hyps)
+    for name in ("val.xx", "val.yy", "test.xx", "test.yy"):
+        assert (distilled / name).read_text() == (corpus / name).read_text()
+    assert "beam 2" in (distilled / "README.md").read_text()
+
+
+def test_nat_runs_train_with_the_teachers_vocabulary_and_report_bleu(runs):
+    from tokenloom.checkpoint import load_model, load_tokenizer
+
+    teacher = load_tokenizer(runs / "ar")
+    for kind in ("cmlm", "ctc"):
+        records = [json.loads(line) for line in (runs / kind / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in records if "val_bleu" in r] == [4, 8]
+        model, config = load_model(runs / kind)
+        assert config["task"] == "nat_translation" and model.config.kind == kind
+        assert load_tokenizer(runs / kind).vocab_size == teacher.vocab_size
+        assert (model.config.mask_id, model.config.blank_id) == (teacher.vocab_size, teacher.vocab_size + 1)
+
+
+def test_translate_and_evaluate_a_cmlm_run(runs, capsys, tmp_path):
+    source = tmp_path / "in.xx"
+    source.write_text("red dog runs\n\nthe big cat\n")
+    assert main(["translate", str(runs / "cmlm"), "--input", str(source), "--iterations", "3", "--length-beam", "2",
+                 "--rescore", str(runs / "ar")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and lines[1] == ""
+    assert main(["evaluate", str(runs / "cmlm"), "--split", "test", "--iterations", "2", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["decoding"] == "2 iterations, length beam 3" and result["iterations"] == 2 and "bleu" in result and "chrf" in result
+
+
+def test_bench_translate_writes_one_matched_table(runs, tmp_path, capsys):
+    out = tmp_path / "bench"
+    assert main(["bench", "translate", str(runs / "ar"), str(runs / "cmlm"), str(runs / "ctc"), "--split", "test",
+                 "--limit", "6", "--latency-sentences", "2", "--batch", "4", "--out", str(out)]) == 0
+    rows = list(csv.DictReader((out / "translate-bench.csv").open()))
+    models = [r["model"] for r in rows]
+    assert models == ["AR greedy", "AR beam 5", "CMLM 1 iteration, length beam 3", "CMLM 4 iterations, length beam 3",
+                      "CMLM 10 iterations, length beam 3", "CTC parallel"]
+    assert next(r for r in rows if r["model"] == "AR beam 5")["speedup_vs_ar_beam5"] == "1.0"
+    assert all(float(r["latency_ms"]) > 0 and float(r["throughput"]) > 0 for r in rows)
+    assert "| AR beam 5 |" in (out / "translate-bench.md").read_text()
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["translate", "{ar}", "--iterations", "4"], "iterations is an option of non-autoregressive models"),
+    (["translate", "{cmlm}", "--beam", "3"], "beam is an option of autoregressive models"),
+    (["translate", "{ctc}", "--length-beam", "2"], "a ctc model has no length candidates"),
+    (["translate", "{ctc}", "--iterations", "2"], "iterations is an option of cmlm models"),
+    (["translate", "{cmlm}", "--rescore", "{ctc}"], "needs the autoregressive model"),
+    (["distill", "{cmlm}", "--out", "{tmp}/d"], "distill from an autoregressive teacher"),
+])
+def test_unknown_decoding_options_are_one_line_errors(runs, tmp_path, capsys, argv, needle):
+    source = tmp_path / "in.xx"
+    source.write_text("red dog\n")
+    args = [a.format(ar=runs / "ar", cmlm=runs / "cmlm", ctc=runs / "ctc", tmp=tmp_path) for a in argv]
+    assert main(args + (["--input", str(source)] if args[0] == "translate" else [])) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_nat_recipe_pointed_at_a_checkpoint_of_the_wrong_kind(runs, tmp_path, capsys):
+    lm = tmp_path / "lm"
+    text = tmp_path / "text.txt"
+    text.write_text("hello world, " * 200)
+    assert main(["train", _recipe(tmp_path, "lm", "lm", {"num_layers": 1, "num_heads": 2, "embed_dim": 16},
+                                  {"path": str(text), "tokenizer": "char"},
+                                  {"max_steps": 2, "eval_every": 0, "checkpoint_every": 0, "seq_len": 16,
+                                   "batch_size": 2}), "--out", str(lm)]) == 0
+    capsys.readouterr()
+    recipe = _recipe(tmp_path, "bad", "nat_translation", {**MODEL, "family": "nat", "kind": "cmlm"},
+                     {**DATA, "dir": str(runs / "distilled"), "tokenizer_from": str(lm)})
+    assert main(["train", recipe, "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert "is a lm checkpoint; it must be a translation run" in err and len(err.strip().splitlines()) == 1
+    recipe = _recipe(tmp_path, "bad2", "translation", {**MODEL, "family": "nat", "kind": "cmlm"},
+                     {**DATA, "dir": str(runs / "distilled")})
+    assert main(["train", recipe, "--out", str(tmp_path / "bad2")]) == 2
+    assert "train it with task nat_translation" in capsys.readouterr().err
+
+
+def test_ctc_pairs_whose_target_cannot_fit_are_counted_and_skipped(runs, tmp_path):
+    corpus = tmp_path / "long"
+    corpus.mkdir()
+    for name in ("train", "val", "test"):  # targets three times as long as their sources
+        (corpus / f"{name}.xx").write_text("red dog\nthe cat\nblue house\n" * 4)
+        (corpus / f"{name}.yy").write_text("RED RED RED DOG DOG DOG\nTHE THE CAT CAT CAT CAT\nBLUE\n" * 4)
+    recipe = _recipe(tmp_path, "ctc1", "nat_translation",
+                     {**MODEL, "family": "nat", "kind": "ctc", "ctc_upsample": 1},
+                     {**DATA, "dir": str(corpus), "tokenizer_from": str(runs / "ar")})
+    assert main(["train", recipe, "--out", str(tmp_path / "ctc1")]) == 0
+    records = [json.loads(line) for line in (tmp_path / "ctc1" / "metrics.jsonl").read_text().splitlines()]
+    skipped = [r["skipped_pairs"] for r in records if "skipped_pairs" in r]
+    assert skipped and skipped[-1] > 0

@@ -1,0 +1,182 @@
+"""Non-autoregressive translation: NAT / CMLM / CTC models, their decoding, their losses."""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from tokenloom.errors import ConfigError
+from tokenloom.generation.nat import best_candidates, mask_predict, nat_decode, remask
+from tokenloom.models import NATConfig, NonAutoregressiveTransformer
+from tokenloom.models.nat import ctc_collapse, ctc_loss
+from tokenloom.tasks.nat import random_mask
+
+V = 16  # ids: 0 pad, 1 bos, 2 eos, 3..13 words, 14 <mask>, 15 <blank>
+
+
+def tiny(kind: str, **overrides) -> NonAutoregressiveTransformer:
+    kw = dict(vocab_size=V, encoder_layers=1, decoder_layers=2, num_heads=2, embed_dim=32, max_source_len=12,
+              max_target_len=36, dropout=0.0, norm_placement="pre", kind=kind, mask_id=14, blank_id=15,
+              max_length_offset=4)
+    torch.manual_seed(0)
+    return NonAutoregressiveTransformer(NATConfig(**{**kw, **overrides}))
+
+
+def batch_of(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    width = max(len(r) for r in rows)
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
+    return ids, mask
+
+
+SOURCES = [[3, 4, 5, 2], [6, 7, 2], [8, 9, 10, 11, 2], [12, 3, 2]]
+TARGETS = [[5, 4, 3], [7, 6, 6], [11, 10, 9, 8], [3, 12]]  # "reverse the words" (with a repeat)
+
+
+# ---- decoding pieces ------------------------------------------------------------------------------
+
+def test_one_iteration_of_mask_predict_is_the_parallel_argmax():
+    model = tiny("cmlm").eval()
+    source, mask = batch_of(SOURCES)
+    lengths = torch.tensor([3, 3, 4, 2])
+    with torch.no_grad():
+        memory = model.encode(source, mask)
+        tokens, log_probs, real = mask_predict(model, source, mask, memory, lengths, iterations=1)
+        all_masked = torch.full((4, 4), 14).masked_fill(torch.arange(4)[None] >= lengths[:, None], 0)
+        inputs, dmask = model.decoder_inputs(source, mask, tokens=all_masked)
+        logits = model.decode_parallel(inputs, dmask, memory, mask).float()
+        logits[..., model.config.banned_ids] = float("-inf")
+        expected = logits.argmax(-1)
+    assert torch.equal(tokens[real], expected[real])
+    assert torch.allclose(log_probs[real], F.log_softmax(logits, -1).max(-1).values[real])
+
+
+def test_remask_picks_the_lowest_probabilities_and_follows_the_linear_schedule():
+    L, T = 10, 4
+    log_probs = -torch.arange(1.0, L + 1)[torch.randperm(L, generator=torch.Generator().manual_seed(0))][None]
+    real = torch.ones(1, L, dtype=torch.bool)
+    counts = []
+    for t in range(T - 1):
+        masked = remask(log_probs, real, torch.tensor([L]), t, T)
+        counts.append(int(masked.sum()))
+        lowest = log_probs[0].argsort()[:counts[-1]]
+        assert set(masked[0].nonzero().flatten().tolist()) == set(lowest.tolist())
+    assert counts == [L * (T - 1 - t) // T for t in range(T - 1)] == [7, 5, 2]
+    padded = remask(log_probs, torch.arange(L)[None] < 6, torch.tensor([6]), 0, T)  # padding is never masked
+    assert padded[0, 6:].sum() == 0 and int(padded.sum()) == 6 * 3 // 4
+
+
+def test_ctc_collapse_on_hand_made_sequences():
+    b = 0
+    assert ctc_collapse([3, 3, b, 3, 4, 4], b) == [3, 3, 4]
+    assert ctc_collapse([b, b, b], b) == []
+    assert ctc_collapse([5, b, 5, 5, b, b, 6], b) == [5, 5, 6]
+    assert ctc_collapse([], b) == []
+
+
+def test_ctc_loss_equals_the_brute_force_sum_over_alignments():
+    torch.manual_seed(0)
+    T, Vs, blank = 5, 4, 0
+    logits = torch.randn(1, T, Vs)
+    target = [1, 1, 2]  # a repeat: needs a blank between the two 1s
+    log_probs = F.log_softmax(logits[0], -1)
+    total = -math.inf
+    for path in itertools.product(range(Vs), repeat=T):
+        if ctc_collapse(list(path), blank) == target:
+            total = float(torch.logaddexp(torch.tensor(total), sum(log_probs[t, s] for t, s in enumerate(path))))
+    loss = ctc_loss(logits, torch.ones(1, T, dtype=torch.long), torch.tensor([target]), torch.tensor([3]), blank)
+    assert loss.item() == pytest.approx(-total, rel=1e-5)
+
+
+def test_best_candidates_and_the_length_beam_return_the_highest_scoring_candidate():
+    assert best_candidates(torch.tensor([[0.1, -0.5, 0.3], [-2.0, -1.0, -3.0]])).tolist() == [2, 1]
+    model = tiny("nat").eval()
+    source, mask = batch_of(SOURCES)
+    with torch.no_grad():
+        chosen = nat_decode(model, source, mask, length_beam=3)
+        memory = model.encode(source, mask)
+        classes = model.length_logits(memory, mask).topk(3, -1).indices
+        lengths = model.lengths_of(classes, mask.sum(1))
+        for b in range(4):
+            scored = []
+            for length in lengths[b].tolist():
+                inputs, dmask = model.decoder_inputs(source[b:b + 1], mask[b:b + 1], torch.tensor([length]))
+                logits = model.decode_parallel(inputs, dmask, memory[b:b + 1], mask[b:b + 1]).float()
+                logits[..., model.config.banned_ids] = float("-inf")
+                lp, tok = F.log_softmax(logits, -1).max(-1)
+                scored.append((lp.mean().item(), tok[0].tolist()))
+            assert chosen[b] == max(scored, key=lambda s: s[0])[1]
+
+
+def test_uniform_copy_and_ctc_upsampling_inputs():
+    model = tiny("nat")
+    source, mask = batch_of([[3, 4, 5, 2], [6, 2]])
+    with torch.no_grad():
+        x, dmask = model.decoder_inputs(source, mask, torch.tensor([8, 3]))
+        embeds = model.src_embed(source) * model.embed_scale
+    assert dmask.tolist() == [[1] * 8, [1, 1, 1, 0, 0, 0, 0, 0]]
+    assert torch.equal(x[0], embeds[0, [0, 0, 1, 1, 2, 2, 3, 3]])  # floor(j * 4 / 8)
+    assert torch.equal(x[1, :3], embeds[1, [0, 0, 1]])  # floor(j * 2 / 3)
+    ctc = tiny("ctc", ctc_upsample=3)
+    x, dmask = ctc.decoder_inputs(source, mask)
+    assert x.shape[1] == 12 and dmask[1].tolist() == [1] * 6 + [0] * 6
+
+
+def test_random_mask_masks_between_one_and_all_real_tokens():
+    real = torch.arange(7)[None] < torch.tensor([7, 3, 1, 5])[:, None]
+    torch.manual_seed(0)
+    counts = set()
+    for _ in range(200):
+        masked = random_mask(real)
+        assert not (masked & ~real).any()
+        n = masked.sum(1)
+        assert ((n >= 1) & (n <= real.sum(1))).all()
+        counts.add(int(n[0]))
+    assert counts == set(range(1, 8))  # uniform over 1..L: every count shows up
+
+
+# ---- training: each kind overfits a handful of pairs -------------------------------------------------
+
+def _train(model: NonAutoregressiveTransformer, steps: int) -> None:
+    from tokenloom.data.parallel import ParallelBatch
+    from tokenloom.tasks.nat import NATTranslationTask
+
+    source, smask = batch_of(SOURCES)
+    target_in, tmask = batch_of([[1] + t for t in TARGETS])
+    batch = ParallelBatch(source, smask, target_in, target_in, tmask, int(tmask.sum()), torch.arange(4))
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
+    model.train()
+    for _ in range(steps):
+        loss, _, skipped = NATTranslationTask.nat_loss(model, batch, 0.0)
+        assert skipped == 0
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    model.eval()
+
+
+@pytest.mark.parametrize("kind,steps", [("nat", 150), ("cmlm", 250), ("ctc", 150)])
+def test_each_kind_overfits_a_handful_of_pairs(kind, steps):
+    model = tiny(kind)
+    _train(model, steps)
+    source, mask = batch_of(SOURCES)
+    with torch.no_grad():
+        out = nat_decode(model, source, mask, iterations=4, length_beam=2)
+    assert out == TARGETS
+
+
+def test_config_errors_name_the_field():
+    with pytest.raises(ConfigError, match="kind must be one of nat, cmlm, ctc"):
+        tiny("mlm")
+    with pytest.raises(ConfigError, match="mask_id=-1"):
+        tiny("cmlm", mask_id=-1)
+    with pytest.raises(ConfigError, match="position 'alibi'"):
+        tiny("nat", position="alibi")
+    with pytest.raises(ConfigError, match="ctc_upsample \\* max_source_len = 48"):
+        tiny("ctc", ctc_upsample=4)
