@@ -47,9 +47,11 @@ def mask_predict(model: NonAutoregressiveTransformer, source: Tensor, source_mas
     tokens = torch.full((N, T), c.mask_id, dtype=torch.long, device=lengths.device).masked_fill(~real, c.pad_id)
     log_probs = torch.zeros(N, T, device=lengths.device)
     masked = real.clone()
+    memory_kv = model.memory_kv(memory) if iterations > 1 else None  # computed once for every iteration
     for t in range(iterations):
         inputs, decoder_mask = model.decoder_inputs(source, source_mask, tokens=tokens)
-        logits = _ban(model.decode_parallel(inputs, decoder_mask, memory, source_mask).float(), c.banned_ids)
+        logits = _ban(model.decode_parallel(inputs, decoder_mask, memory, source_mask, memory_kv).float(),
+                      c.banned_ids)
         best_lp, best = F.log_softmax(logits, dim=-1).max(dim=-1)  # (N, T)
         tokens = torch.where(masked, best, tokens)
         log_probs = torch.where(masked, best_lp, log_probs)

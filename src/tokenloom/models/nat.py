@@ -174,9 +174,16 @@ class NonAutoregressiveTransformer(EncoderDecoder):
 
     # ---- the parallel decoder ---------------------------------------------------------------------
 
-    def decode_parallel(self, inputs: Tensor, target_mask: Tensor, memory: Tensor, source_mask: Tensor) -> Tensor:
+    def memory_kv(self, memory: Tensor) -> list[tuple[Tensor, Tensor]]:
+        """Every decoder layer's cross-attention keys and values of ``memory`` (B, S, C), for decoding passes
+        that reuse them (Mask-Predict's iterations)."""
+        return [block.cross_attn.memory_kv(memory) for block in self.decoder]
+
+    def decode_parallel(self, inputs: Tensor, target_mask: Tensor, memory: Tensor, source_mask: Tensor,
+                        memory_kv: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
         """inputs (B, T, C), target_mask (B, T), memory (B, S, C), source_mask (B, S) -> (B, T, V) logits;
-        every position attends to every non-padding position (no causal mask)."""
+        every position attends to every non-padding position (no causal mask). ``memory_kv`` (from
+        :meth:`memory_kv`) saves recomputing the cross-attention keys and values."""
         B, T, _ = inputs.shape
         if T > self.config.max_target_len:
             raise GenerationError(f"decoder length {T} exceeds the model's limit of {self.config.max_target_len}")
@@ -190,8 +197,9 @@ class NonAutoregressiveTransformer(EncoderDecoder):
         self_mask = None if bool(target_mask.all()) else _additive_mask(target_mask, dtype)
         memory_mask = None if bool(source_mask.all()) else _additive_mask(source_mask, dtype)
         rope = self.tgt_position.rotary(positions)
-        for block in self.decoder:
-            x, _ = block(x, attn_mask=self_mask, is_causal=False, rope=rope, memory=memory, memory_mask=memory_mask)
+        for i, block in enumerate(self.decoder):
+            x, _ = block(x, attn_mask=self_mask, is_causal=False, rope=rope, memory=memory, memory_mask=memory_mask,
+                         memory_kv=memory_kv[i] if memory_kv is not None else None)
         return self.lm_head(self.decoder_norm(x))
 
     def forward(self, source: Tensor, source_mask: Tensor, target_lengths: Tensor | None = None,
