@@ -276,12 +276,7 @@ def decoding_options(args: argparse.Namespace, model, tokenizer, precision: str 
         options["beam"] = 5 if beam is None else beam
     elif beam is not None:
         options["beam"] = beam  # refused below
-    check_decoding_options(model, **options)
-    kind = getattr(model.config, "kind", None)
-    if kind == "cmlm":
-        options["iterations"] = options["iterations"] or 10
-    if kind in ("nat", "cmlm"):
-        options["length_beam"] = options["length_beam"] or 3
+    options.update(check_decoding_options(model, **options))  # the defaults of parallel decoding filled in
     return {k: v for k, v in options.items() if v is not None}
 
 

@@ -286,20 +286,20 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
         raise ConfigError(f"translation needs an encoder-decoder model, got {type(model).__name__}")
     c = model.config
     parallel = hasattr(model, "decode_parallel")
-    check_decoding_options(model, beam=beam, iterations=iterations, length_beam=length_beam, rescorer=rescorer)
+    parallel_options = check_decoding_options(model, beam=beam, iterations=iterations, length_beam=length_beam,
+                                              rescorer=rescorer)
     ids = special_ids(tokenizer)
     encoded = encode_sources(model, tokenizer, sentences, truncate=truncate)
     results: list[str] = [""] * len(encoded)
     device = next(model.parameters()).device
     was_training = model.training
     model.eval()
-    rows = (length_beam or 3) if parallel else beam
+    rows = parallel_options.get("length_beam", 1) if parallel else beam
     try:
         for chunk, source, mask in source_batches(encoded, max_tokens, ids["pad_id"], rows_per_sentence=rows,
                                                   device=device):
             if parallel:
-                outputs = nat_decode(model, source, mask, iterations=iterations or 10, length_beam=length_beam or 3,
-                                     rescorer=rescorer)
+                outputs = nat_decode(model, source, mask, **parallel_options, rescorer=rescorer)
             else:
                 new = min(c.max_target_len - 1, int(max_len_a * source.shape[1] + max_len_b))
                 config = GenerationConfig(max_new_tokens=new, do_sample=False, num_beams=beam,
@@ -321,15 +321,17 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
 
 
 def check_decoding_options(model: nn.Module, *, beam: int = 1, iterations: int | None = None,
-                           length_beam: int | None = None, rescorer: nn.Module | None = None) -> None:
-    """One-line errors for decoding options that the model's kind does not take."""
+                           length_beam: int | None = None, rescorer: nn.Module | None = None) -> dict[str, int]:
+    """One-line errors for decoding options that the model's kind does not take; for a non-autoregressive
+    model, its parallel-decoding options with the defaults filled in (cmlm: iterations 10; nat and cmlm:
+    length beam 3), else {}."""
     kind = getattr(model.config, "kind", None)  # nat | cmlm | ctc for non-autoregressive models
     if kind is None:
         for name, value in (("iterations", iterations), ("length_beam", length_beam), ("rescorer", rescorer)):
             if value is not None:
                 raise ConfigError(f"{name.replace('_', ' ')} is an option of non-autoregressive models; this "
                                   "model is autoregressive (use beam)")
-        return
+        return {}
     if beam != 1:
         raise ConfigError(f"beam is an option of autoregressive models; this {kind} model decodes in parallel "
                           "(use length beam)")
@@ -340,3 +342,7 @@ def check_decoding_options(model: nn.Module, *, beam: int = 1, iterations: int |
     for name, value in (("iterations", iterations), ("length_beam", length_beam)):
         if value is not None and value < 1:
             raise ConfigError(f"{name.replace('_', ' ')} must be >= 1, got {value}")
+    resolved = {"iterations": iterations or 10} if kind == "cmlm" else {}
+    if kind in ("nat", "cmlm"):
+        resolved["length_beam"] = length_beam or 3
+    return resolved
