@@ -173,3 +173,16 @@ def test_refused_settings_name_the_setting():
         to_hf(ViT(ViTConfig(image_size=16, patch_size=4, embed_dim=16, num_layers=1, num_heads=2, pool="mean",
                             position="sincos2d")))
     assert_one_line(err.value, "pool='mean'", "position='sincos2d'")
+
+
+def test_swin_stage_smaller_than_the_window_is_refused_by_export():
+    """28x28 with 2x2 patches and three stages: the last stage's map is 4x4, smaller than 7x7 windows. tokenloom
+    runs it on the relative position table's central rows; Hugging Face's Swin builds its bias for 7x7 windows
+    only and fails on that stage, so export is a one-line error instead of a model that cannot run."""
+    with pytest.raises(RuntimeError):  # the limitation the refusal is for (a test to revisit if HF lifts it)
+        hf_logits(hf_swin(seed=7, depths=[1, 1, 1], num_heads=[1, 2, 4]), pixels({}))
+    model = Swin(SwinConfig.from_name("swin-mnist-tiny", embed_dim=16, depths=[1, 1, 1], num_heads=[1, 2, 4]))
+    with pytest.raises(ConfigError) as err:
+        to_hf(model)
+    assert_one_line(err.value, "cannot run stage 3's 4x4 map with window_size=7")
+    assert model(pixels({})).shape == (2, 10)  # tokenloom itself runs it

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..data.images import image_size_hw
 from ..errors import ConfigError
 from ..models.swin import SwinConfig
 from .hf import HF_CONVERTERS, HFConverter, Rule, per_layer, rule
@@ -90,6 +91,15 @@ class SwinConverter(HFConverter):
         if config.mlp not in ACTIVATIONS_TO_HF:
             raise ConfigError(f"Hugging Face Swin cannot express mlp={config.mlp!r} "
                               f"(Swin has {', '.join(map(repr, ACTIVATIONS_TO_HF))})")
+        grid = tuple(-(-side // config.patch_size) for side in image_size_hw(config.image_size))
+        for stage in range(len(config.depths)):
+            if min(grid) < config.window_size:
+                raise ConfigError(
+                    f"Hugging Face Swin cannot run stage {stage + 1}'s {grid[0]}x{grid[1]} map with "
+                    f"window_size={config.window_size}: its relative position bias is built for "
+                    f"{config.window_size}x{config.window_size} windows only (tokenloom uses the table's central "
+                    f"rows); export a model whose every stage map is at least the window")
+            grid = tuple(-(-side // 2) for side in grid)  # patch merging pads odd sides
         attn_drop = config.dropout if config.attention_dropout is None else config.attention_dropout
         return dict(image_size=image_size_to_hf(config.image_size), patch_size=config.patch_size,
                     num_channels=config.in_channels, embed_dim=config.embed_dim, depths=list(config.depths),
