@@ -9,10 +9,28 @@ from torch.nn import functional as F
 
 from tokenloom.nn import ATTENTION_BACKENDS, MultiHeadAttention, create_block
 from tokenloom.nn.attention import EXPLICIT_TRAINING_MAX_KEYS, explicit_training, partition_views
+from tokenloom.nn import fused
 from tokenloom.nn.fused import ACTIVATIONS, fusable, linear_act, linear_add
 from tokenloom.nn.windows import permute_tokens, window_order, window_partition
 
 PLAIN = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
+MIN_ROWS = fused.FUSED_MIN_ROWS
+
+
+@pytest.fixture(autouse=True)
+def fuse_small_inputs(monkeypatch):
+    """The fused kernels on these tests' small inputs too (in use they start at ``FUSED_MIN_ROWS`` rows)."""
+    monkeypatch.setattr(fused, "FUSED_MIN_ROWS", 1)
+
+
+def test_small_inputs_take_the_plain_ops(monkeypatch):
+    monkeypatch.setattr(fused, "FUSED_MIN_ROWS", MIN_ROWS)
+    w = torch.randn(8, 8)
+    with torch.no_grad():
+        assert not fusable(torch.randn(MIN_ROWS - 1, 8), w)  # a decoder pass at batch 1: plain ops are faster
+        assert not fusable(torch.randn(1, MIN_ROWS - 1, 8), w)
+        assert fusable(torch.randn(2, MIN_ROWS // 2, 8), w) == (torch.backends.mkldnn.is_available()
+                                                               and hasattr(torch.ops.mkldnn, "_linear_pointwise"))
 
 
 @pytest.mark.parametrize("act", sorted(ACTIVATIONS))

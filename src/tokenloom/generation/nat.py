@@ -50,11 +50,12 @@ def mask_predict(model: NonAutoregressiveTransformer, source: Tensor, source_mas
     memory_kv = model.memory_kv(memory) if iterations > 1 else None  # computed once for every iteration
     for t in range(iterations):
         inputs, decoder_mask = model.decoder_inputs(source, source_mask, tokens=tokens)
-        logits = _ban(model.decode_parallel(inputs, decoder_mask, memory, source_mask, memory_kv).float(),
-                      c.banned_ids)
-        best_lp, best = F.log_softmax(logits, dim=-1).max(dim=-1)  # (N, T)
-        tokens = torch.where(masked, best, tokens)
-        log_probs = torch.where(masked, best_lp, log_probs)
+        hidden = model.decode_hidden(inputs, decoder_mask, memory, source_mask, memory_kv)  # (N, T, C)
+        where = masked.nonzero(as_tuple=True)  # the output layer only at the masked positions (all at t = 0)
+        logits = _ban(model.lm_head(hidden[where]).float(), c.banned_ids)  # (M, V)
+        best_lp, best = F.log_softmax(logits, dim=-1).max(dim=-1)  # (M,)
+        tokens = tokens.index_put(where, best)
+        log_probs = log_probs.index_put(where, best_lp)
         if t == iterations - 1:
             break
         masked = remask(log_probs, real, lengths, t, iterations)

@@ -184,6 +184,12 @@ class NonAutoregressiveTransformer(EncoderDecoder):
         """inputs (B, T, C), target_mask (B, T), memory (B, S, C), source_mask (B, S) -> (B, T, V) logits;
         every position attends to every non-padding position (no causal mask). ``memory_kv`` (from
         :meth:`memory_kv`) saves recomputing the cross-attention keys and values."""
+        return self.lm_head(self.decode_hidden(inputs, target_mask, memory, source_mask, memory_kv))
+
+    def decode_hidden(self, inputs: Tensor, target_mask: Tensor, memory: Tensor, source_mask: Tensor,
+                      memory_kv: list[tuple[Tensor, Tensor]] | None = None) -> Tensor:
+        """:meth:`decode_parallel` before the output layer: the final-normed states (B, T, C), for callers
+        that need logits at a few positions only (Mask-Predict's later iterations)."""
         B, T, _ = inputs.shape
         if T > self.config.max_target_len:
             raise GenerationError(f"decoder length {T} exceeds the model's limit of {self.config.max_target_len}")
@@ -200,7 +206,7 @@ class NonAutoregressiveTransformer(EncoderDecoder):
         for i, block in enumerate(self.decoder):
             x, _ = block(x, attn_mask=self_mask, is_causal=False, rope=rope, memory=memory, memory_mask=memory_mask,
                          memory_kv=memory_kv[i] if memory_kv is not None else None)
-        return self.lm_head(self.decoder_norm(x))
+        return self.decoder_norm(x)
 
     def forward(self, source: Tensor, source_mask: Tensor, target_lengths: Tensor | None = None,
                 tokens: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
