@@ -104,7 +104,8 @@ def _variants(model, can_rescore: bool) -> list[dict]:
     if kind == "nat":
         return [dict(length_beam=1), dict(length_beam=3)] + ([dict(length_beam=3, rescore=True)]
                                                               if can_rescore else [])
-    return [dict(iterations=1, length_beam=3), dict(iterations=4, length_beam=3), dict(iterations=10, length_beam=3)]
+    return [dict(iterations=1, length_beam=1), dict(iterations=1, length_beam=3), dict(iterations=4, length_beam=3),
+            dict(iterations=10, length_beam=3)]
 
 
 def _label(model, options: dict) -> str:
