@@ -180,3 +180,25 @@ def test_config_errors_name_the_field():
         tiny("nat", position="alibi")
     with pytest.raises(ConfigError, match="ctc_upsample \\* max_source_len = 48"):
         tiny("ctc", ctc_upsample=4)
+
+
+@pytest.mark.parametrize("kind", ["nat", "cmlm", "ctc"])
+@pytest.mark.parametrize("placement", ["pre", "post"])
+def test_plain_eval_decoder_equals_the_module_path(kind, placement, monkeypatch):
+    """The eval-mode parallel decoder (blocks as plain method calls, memory keys/values given or not) computes
+    what the modules compute."""
+    import tokenloom.models.nat as nat
+
+    model = tiny(kind, norm_placement=placement).eval()
+    source, mask = batch_of(SOURCES)
+    tokens = torch.tensor([[5, 14, 3, 0], [14, 6, 6, 0], [11, 10, 14, 8], [3, 12, 0, 0]])
+    lengths = torch.tensor([3, 3, 4, 2])
+    with torch.no_grad():
+        memory = model.encode(source, mask)
+        inputs, target_mask = model.decoder_inputs(source, mask, lengths, tokens)
+        plain = model.decode_parallel(inputs, target_mask, memory, mask)
+        cached = model.decode_parallel(inputs, target_mask, memory, mask, model.memory_kv(memory))
+        monkeypatch.setattr(nat, "plain_eval", lambda module: False)
+        modules = model.decode_parallel(inputs, target_mask, memory, mask)
+    torch.testing.assert_close(plain, modules, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(cached, modules, atol=1e-5, rtol=1e-5)

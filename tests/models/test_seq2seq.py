@@ -204,3 +204,55 @@ def test_a_tiny_model_learns_to_reverse():
         got = out[i, 1:1 + len(want)].tolist()
         correct += got == want
     assert correct >= 56, f"{correct}/64 reversed exactly"
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS) + ["post-rope"])
+def test_plain_eval_passes_equal_the_module_path(variant, monkeypatch):
+    """In eval mode the encoder and the teacher-forced decoder run their blocks as plain method calls
+    (``sequence_eval``); they compute what the modules compute (the training-mode module path, dropout 0)."""
+    import tokenloom.models.seq2seq as seq2seq
+    from tokenloom.nn.block import PostNormBlock, PreNormBlock
+
+    overrides = dict(position="rope") if variant == "post-rope" else VARIANTS[variant]
+    model = make(**overrides)
+    src, mask, tgt = batch()
+    calls = []
+    for cls in (PreNormBlock, PostNormBlock):
+        original = cls.sequence_eval
+        monkeypatch.setattr(cls, "sequence_eval",
+                            lambda self, *a, _f=original, **k: calls.append(1) or _f(self, *a, **k))
+    with torch.no_grad():
+        plain = model(src, tgt, mask)
+        assert len(calls) == 4  # 2 encoder + 2 decoder blocks
+        modules = model.train()(src, tgt, mask)
+        model.eval()
+        monkeypatch.setattr(seq2seq, "plain_eval", lambda module: False)
+        eval_modules = model(src, tgt, mask)
+    assert len(calls) == 4
+    torch.testing.assert_close(plain, modules, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(plain, eval_modules, atol=1e-5, rtol=1e-5)
+
+
+def test_plain_eval_only_without_hooks_and_training_submodules():
+    from tokenloom.nn.block import plain_eval
+
+    model = make()
+    assert plain_eval(model.encoder) and plain_eval(model)
+    model.encoder[1].mlp.train()  # one submodule in training mode (dropout would apply): the modules run
+    assert not plain_eval(model.encoder) and plain_eval(model.decoder)
+    model.eval()
+    seen = []
+    handle = model.encoder[0].attn.qkv_proj.register_forward_hook(lambda m, a, out: seen.append(out.shape))
+    assert not plain_eval(model.encoder)
+    src, mask, _ = batch()
+    with torch.no_grad():
+        model.encode(src, mask)
+    assert seen == [(3, 7, 96)]  # the hook saw its call
+    handle.remove()
+    assert plain_eval(model.encoder)
+    handle = torch.nn.modules.module.register_module_forward_pre_hook(lambda m, a: None)
+    try:
+        assert not plain_eval(model.encoder)
+    finally:
+        handle.remove()
+    assert not plain_eval(model.train())

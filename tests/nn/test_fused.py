@@ -7,9 +7,8 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from tokenloom.nn import ATTENTION_BACKENDS, MultiHeadAttention, create_block
+from tokenloom.nn import ATTENTION_BACKENDS, MultiHeadAttention, create_block, fused
 from tokenloom.nn.attention import EXPLICIT_TRAINING_MAX_KEYS, explicit_training, partition_views
-from tokenloom.nn import fused
 from tokenloom.nn.fused import ACTIVATIONS, fusable, linear_act, linear_add
 from tokenloom.nn.windows import permute_tokens, window_order, window_partition
 

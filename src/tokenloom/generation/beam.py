@@ -58,6 +58,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..errors import GenerationError
+from ..nn.modes import enter_eval, restore_training
 from .config import GenerationConfig
 from .generate import Tokenizer, _Decoding
 
@@ -114,8 +115,7 @@ def beam_search(model: nn.Module, input_ids: Tensor, config: GenerationConfig,
     in_top_n = torch.arange(K, device=device) < N  # (K,) only the best N candidates may finish
     any_full = False  # some prompt holds N finished hypotheses
 
-    was_training = model.training
-    model.eval()
+    switched = enter_eval(model)
     try:
         with torch.inference_mode():
             cache = model.create_cache(BN, T + n)
@@ -190,7 +190,7 @@ def beam_search(model: nn.Module, input_ids: Tensor, config: GenerationConfig,
                 if full_mask is not None:
                     step_mask = full_mask[:, :T + t + 1]
     finally:
-        model.train(was_training)
+        restore_training(switched)
 
     final.store(active, done)
     empty = final.scores == float("-inf")  # slots no hypothesis reached (degenerate cases only)

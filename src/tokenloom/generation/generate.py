@@ -31,6 +31,7 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import GenerationError
+from ..nn.modes import enter_eval, restore_training
 from .config import GenerationConfig
 from .processors import create_processors
 
@@ -160,8 +161,7 @@ class _Decoding:
         stops = StopStrings(config.stop_strings, self.tokenizer, B) if config.stop_strings else None
         track = eos is not None or stops is not None
         inference = torch.inference_mode()  # entered around each step, never across a yield
-        was_training = model.training
-        model.eval()
+        switched = enter_eval(model)
         try:
             finished = torch.zeros(B, 1, dtype=torch.bool, device=sequences.device)  # rows that stopped
             with inference:
@@ -215,7 +215,7 @@ class _Decoding:
                 if full_mask is not None:
                     mask = full_mask[:, :T + t + 1]
         finally:
-            model.train(was_training)
+            restore_training(switched)
 
 
 class StopStrings:

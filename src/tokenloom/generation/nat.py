@@ -23,7 +23,7 @@ from ..models.nat import NonAutoregressiveTransformer, ctc_collapse
 
 def _ban(logits: Tensor, ids: list[int]) -> Tensor:
     if ids:
-        logits[..., ids] = float("-inf")
+        logits.index_fill_(-1, torch.tensor(ids, device=logits.device), float("-inf"))
     return logits
 
 
@@ -115,8 +115,11 @@ def nat_decode(model: NonAutoregressiveTransformer, source: Tensor, source_mask:
     else:
         inputs, decoder_mask = model.decoder_inputs(src, src_mask, lengths)
         logits = _ban(model.decode_parallel(inputs, decoder_mask, mem, src_mask).float(), c.banned_ids)
-        log_probs, tokens = F.log_softmax(logits, dim=-1).max(dim=-1)
         real = decoder_mask.bool()
+        if beam == 1:  # one candidate: nothing to score, the argmax of the logits is the answer
+            tokens = logits.argmax(dim=-1)
+            return [tokens[b, :int(real[b].sum())].tolist() for b in range(B)]
+        log_probs, tokens = F.log_softmax(logits, dim=-1).max(dim=-1)
     if rescorer is not None and beam > 1:
         scores = rescore(rescorer, src, src_mask, tokens, real)
     else:

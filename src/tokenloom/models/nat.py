@@ -32,6 +32,7 @@ from torch.nn import functional as F
 
 from ..config import check
 from ..errors import GenerationError
+from ..nn.block import plain_eval
 from .registry import MODELS
 from .seq2seq import EncoderDecoder, Seq2SeqConfig, _additive_mask
 
@@ -203,6 +204,11 @@ class NonAutoregressiveTransformer(EncoderDecoder):
         self_mask = None if bool(target_mask.all()) else _additive_mask(target_mask, dtype)
         memory_mask = None if bool(source_mask.all()) else _additive_mask(source_mask, dtype)
         rope = self.tgt_position.rotary(positions)
+        if plain_eval(self.decoder):
+            for i, block in enumerate(self.decoder):
+                kv = memory_kv[i] if memory_kv is not None else block.cross_attn.memory_kv(memory)
+                x = block.sequence_eval(x, self_mask, False, rope, kv, memory_mask)
+            return self.decoder_norm(x)
         for i, block in enumerate(self.decoder):
             x, _ = block(x, attn_mask=self_mask, is_causal=False, rope=rope, memory=memory, memory_mask=memory_mask,
                          memory_kv=memory_kv[i] if memory_kv is not None else None)

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import check
 from ..errors import GenerationError
 from ..nn import POSITIONS, KVCache, create_block, create_norm
-from ..nn.block import DecodePlan, has_forward_hooks, inference_function
+from ..nn.block import DecodePlan, has_forward_hooks, inference_function, plain_eval
 from ..nn.dropout import Dropout
 from ..nn.masks import additive_mask, causal_mask, padding_mask
 from ..nn.positions import Position
@@ -182,6 +182,10 @@ class EncoderDecoder(nn.Module):
             if bias is not None:
                 mask = bias.to(self._mask_dtype(x)) if mask is None else mask + bias.to(mask.dtype)
         rope = self.src_position.rotary(positions)
+        if plain_eval(self.encoder):
+            for block in self.encoder:
+                x = block.sequence_eval(x, mask, False, rope)
+            return self.encoder_norm(x)
         for block in self.encoder:
             kwargs = dict(attn_mask=mask, is_causal=False, rope=rope)
             if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
@@ -216,6 +220,10 @@ class EncoderDecoder(nn.Module):
             memory_mask = None if source_mask is None or bool(source_mask.all()) else \
                 _additive_mask(source_mask, dtype)
         attn_mask, is_causal = self._self_attention_mask(T, past, target.device, dtype)
+        if cache is None and plain_eval(self.decoder):  # teacher forcing in eval mode (validation, rescoring)
+            for block in self.decoder:
+                x = block.sequence_eval(x, attn_mask, is_causal, rope, block.cross_attn.memory_kv(memory), memory_mask)
+            return self.lm_head(self.decoder_norm(x))
         for i, block in enumerate(self.decoder):
             kwargs = dict(attn_mask=attn_mask, is_causal=is_causal, rope=rope, memory_mask=memory_mask)
             if cache is not None:
@@ -352,6 +360,9 @@ class Seq2SeqDecoder:
 
     def parameters(self):
         return self.model.parameters()
+
+    def modules(self):
+        return self.model.modules()
 
     def create_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
                      device: torch.device | str | None = None) -> Seq2SeqCache:

@@ -281,6 +281,7 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
     """
     from ..generation import GenerationConfig, generate
     from ..generation.nat import nat_decode
+    from ..nn.modes import eval_mode
 
     if not hasattr(model, "decoder_for"):
         raise ConfigError(f"translation needs an encoder-decoder model, got {type(model).__name__}")
@@ -292,10 +293,8 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
     encoded = encode_sources(model, tokenizer, sentences, truncate=truncate)
     results: list[str] = [""] * len(encoded)
     device = next(model.parameters()).device
-    was_training = model.training
-    model.eval()
     rows = parallel_options.get("length_beam", 1) if parallel else beam
-    try:
+    with eval_mode(model):
         for chunk, source, mask in source_batches(encoded, max_tokens, ids["pad_id"], rows_per_sentence=rows,
                                                   device=device):
             if parallel:
@@ -315,8 +314,6 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
                     outputs.append([t for t in tokens if t != ids["pad_id"]])
             for i, tokens in zip(chunk, outputs, strict=True):
                 results[i] = tokenizer.decode(tokens).strip()
-    finally:
-        model.train(was_training)
     return results
 
 

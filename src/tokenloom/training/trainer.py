@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import STATE_FILE, resolve_checkpoint, write_checkpoint
 from ..errors import CheckpointError
+from ..nn.modes import eval_mode
 from .config import RunConfig
 from .optim import create_optimizer
 from .precision import MasterWeights, autocast
@@ -164,12 +165,9 @@ class Trainer:
             fh.write(json.dumps(record) + "\n")
 
     def evaluate(self) -> dict[str, float]:
-        was_training = self.model.training
-        self.model.eval()
-        with autocast(self.config.train.precision), torch.no_grad():
+        with eval_mode(self.model), autocast(self.config.train.precision), torch.no_grad():
             metrics = self.task.evaluate(self.model)
         metrics.pop("tokens", None)
-        self.model.train(was_training)
         self.last_eval = metrics
         self._log({"step": self.step, **metrics})
         self._keep_best(metrics)
