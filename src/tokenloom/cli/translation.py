@@ -114,9 +114,13 @@ def _label(model, options: dict) -> str:
     return f"{name} {describe_decoding(options)}"
 
 
+LATENCY_ROUNDS = 5  # bench translate: the latency sentences are split into this many blocks, timed in turns
+
+
 def bench_translate(args: argparse.Namespace) -> int:
     """BLEU / chrF on a split, latency per sentence at batch 1, throughput at batch ``--batch``, speedup over AR
-    beam 5; every model and decoding measured in this one run. Markdown and CSV (and a PNG) under --out."""
+    beam 5; every model and decoding measured in this one run (the latencies in turns: ``LATENCY_ROUNDS`` blocks of
+    sentences, each block by every decoding). Markdown and CSV (and a PNG) under --out."""
     from ..evaluation import compute_metrics
     from ..tasks.translation import translate
 
@@ -140,37 +144,49 @@ def bench_translate(args: argparse.Namespace) -> int:
                                       (None, None))
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     latency_set = sources[:args.latency_sentences]
-    rows = []
-    torch.manual_seed(0)
+    runs = []  # (checkpoint, model, tokenizer, options, label) per decoding measured
     for ckpt, model, tokenizer in models:
         shares_vocabulary = teacher is not None and tokenizer.fingerprint == teacher_tokenizer.fingerprint
         for variant in _variants(model, shares_vocabulary):
             options = {k: v for k, v in variant.items() if k != "rescore"}
             if variant.get("rescore"):
                 options["rescorer"] = teacher
-            label = _label(model, options)
-            with torch.inference_mode():
-                translate(model, tokenizer, latency_set[:2], **options)  # warm-up
-                start = time.perf_counter()
-                hypotheses = [""] * len(sources)
-                for i in range(0, len(order), args.batch):
-                    chunk = order[i:i + args.batch]
-                    for j, h in zip(chunk, translate(model, tokenizer, [sources[k] for k in chunk], **options,
-                                                     max_tokens=1 << 30), strict=True):
-                        hypotheses[j] = h
-                batch_seconds = time.perf_counter() - start
-                latencies = []
-                for sentence in latency_set:
-                    t0 = time.perf_counter()
-                    translate(model, tokenizer, [sentence], **options)
-                    latencies.append(time.perf_counter() - t0)
+            runs.append((ckpt, model, tokenizer, options, _label(model, options)))
+    rows = []
+    torch.manual_seed(0)
+    with torch.inference_mode():
+        for ckpt, model, tokenizer, options, label in runs:  # quality and batched throughput, one after another
+            translate(model, tokenizer, latency_set[:2], **options)  # warm-up
+            start = time.perf_counter()
+            hypotheses = [""] * len(sources)
+            for i in range(0, len(order), args.batch):
+                chunk = order[i:i + args.batch]
+                for j, h in zip(chunk, translate(model, tokenizer, [sources[k] for k in chunk], **options,
+                                                 max_tokens=1 << 30), strict=True):
+                    hypotheses[j] = h
+            batch_seconds = time.perf_counter() - start
             scores = compute_metrics(["bleu", "chrf"], hypotheses, references).scores
             rows.append(dict(run=str(ckpt), model=label, bleu=round(scores["bleu"], 2), chrf=round(scores["chrf"], 2),
-                             latency_ms=round(1000 * statistics.mean(latencies), 2),
                              throughput=round(len(sources) / batch_seconds, 1)))
             print(f"  {label:<38} BLEU {rows[-1]['bleu']:6.2f}  chrF {rows[-1]['chrf']:6.2f}  "
-                  f"{rows[-1]['latency_ms']:8.1f} ms/sentence (batch 1)  {rows[-1]['throughput']:8.1f} sentences/s "
-                  f"(batch {args.batch})", file=sys.stderr, flush=True)
+                  f"{rows[-1]['throughput']:8.1f} sentences/s (batch {args.batch})", file=sys.stderr, flush=True)
+        # batch-1 latency in LATENCY_ROUNDS rounds: each decoding translates a block of the sentences one at a
+        # time in turn (after one untimed sentence that brings its weights back into the caches), so that drifts
+        # in the machine's speed (other load, clock) fall on all of them alike and the speedups compare like
+        # with like, while each is timed as it runs when serving: warm
+        latencies = [[] for _ in runs]
+        size = -(-len(latency_set) // LATENCY_ROUNDS)
+        for start in range(0, len(latency_set), size):
+            block = latency_set[start:start + size]
+            for n, (_, model, tokenizer, options, _) in enumerate(runs):
+                translate(model, tokenizer, block[:1], **options)
+                for sentence in block:
+                    t0 = time.perf_counter()
+                    translate(model, tokenizer, [sentence], **options)
+                    latencies[n].append(time.perf_counter() - t0)
+    for row, seconds in zip(rows, latencies, strict=True):
+        row["latency_ms"] = round(1000 * statistics.mean(seconds), 2)
+        print(f"  {row['model']:<38} {row['latency_ms']:8.1f} ms/sentence (batch 1)", file=sys.stderr, flush=True)
     base = next((r for r in rows if r["model"] == "AR beam 5"), None)
     for r in rows:
         r["speedup_vs_ar_beam5"] = round(base["latency_ms"] / r["latency_ms"], 2) if base else None
