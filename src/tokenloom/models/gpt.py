@@ -32,7 +32,7 @@ from ..nn.block import DecodePlan, has_forward_hooks, inference_function
 from ..nn.dropout import Dropout
 from ..nn.masks import additive_mask, causal_mask, padding_mask, positions_from_mask
 from ..nn.positions import Position
-from .options import check_block_options, from_preset
+from .options import attention_options, check_block_options, from_preset
 from .registry import MODELS
 
 
@@ -51,7 +51,10 @@ class GPTConfig:
     mlp: str = "gelu"  # gelu | gelu_tanh | relu | swiglu
     mlp_ratio: float = 4.0  # MLP hidden width = mlp_ratio * embed_dim (swiglu: 2/3 of it, a multiple of 8)
     mlp_hidden_dim: int | None = None  # exact MLP hidden width (swiglu: gate/up width); None = from mlp_ratio
-    attention: str = "sdpa"  # attention backend: sdpa (fused) | math (explicit, can return weights)
+    attention: str = "sdpa"  # attention backend: sdpa (fused) | math (explicit, can return weights) | performer
+    performer_features: int = 0  # attention performer: random features per head; 0 = round(head_dim * ln head_dim)
+    performer_redraw: int = 0  # attention performer: draw new features every N training calls; 0 = never
+    linformer_k: int = 64  # attention linformer: positions the keys and values are projected to
     dropout: float = 0.0  # dropout on embeddings, attention probabilities and residual branches
     attention_dropout: float | None = None  # dropout on attention probabilities; None = dropout (on CPU the
     #   random masks over (B, H, T, T) probabilities can cost a third of a training step)
@@ -102,7 +105,8 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(
             create_block(c.norm_placement, c.embed_dim, c.num_heads, c.num_kv_heads,
                          hidden_dim=c.mlp_hidden, mlp=c.mlp, norm=c.norm, attention=c.attention,
-                         dropout=c.dropout, bias=c.bias, norm_eps=c.norm_eps, attention_dropout=c.attention_dropout)
+                         dropout=c.dropout, bias=c.bias, norm_eps=c.norm_eps, attention_dropout=c.attention_dropout,
+                         attention_options=attention_options(c, c.max_seq_len))
             for _ in range(c.num_layers))
         # post-norm blocks end in a norm already; pre-norm needs one before the head
         self.final_norm = create_norm(c.norm, c.embed_dim, bias=c.bias, eps=c.norm_eps) \

@@ -35,6 +35,9 @@ def check_layer_options(config: Any) -> None:
     check_choice("norm_placement", config.norm_placement, BLOCKS)
     check_choice("mlp", config.mlp, MLPS)
     check_choice("attention", config.attention, ATTENTION_BACKENDS)
+    for name, low in (("performer_features", 0), ("performer_redraw", 0), ("linformer_k", 1)):
+        value = getattr(config, name, low)
+        check(isinstance(value, int) and value >= low, f"{name} must be an integer >= {low}, got {value!r}")
     config.head_dim = config.embed_dim // config.num_heads
     if config.mlp_hidden_dim is not None:
         config.mlp_hidden = config.mlp_hidden_dim
@@ -43,16 +46,33 @@ def check_layer_options(config: Any) -> None:
         config.mlp_hidden = swiglu_hidden_dim(two_layer) if config.mlp == "swiglu" else two_layer
 
 
-def check_block_options(config: Any) -> None:
-    """:func:`check_layer_options` plus the sequence models' position scheme (``position``, RoPE settings)."""
+def check_block_options(config: Any, causal: bool = True) -> None:
+    """:func:`check_layer_options` plus the sequence models' position scheme (``position``, RoPE settings) and
+    what the linear-time attention backends cannot do: a score bias (alibi, t5), and for linformer a ``causal``
+    model (one whose attention is causal anywhere)."""
     check_layer_options(config)
     check_choice("position", config.position, POSITIONS)
+    if config.attention in LINEAR_ATTENTION:
+        check(config.position not in ("alibi", "t5"), f"attention {config.attention!r} cannot add the score bias "
+              f"of position {config.position!r}; use rope, sinusoidal, learned or none")
+    check(not (causal and config.attention == "linformer"), "attention 'linformer' is non-causal (its projections "
+          "mix all positions) and this model attends causally; use performer or sdpa")
     if config.position == "rope":
         check(config.head_dim % 2 == 0, f"position 'rope' needs an even head_dim, got {config.head_dim}")
         check_rope_scaling(config.rope_scaling)
     else:
         check(config.rope_scaling is None,
               f"rope_scaling is set but position is {config.position!r}; it applies to 'rope' only")
+
+
+LINEAR_ATTENTION = ("performer", "linformer")
+
+
+def attention_options(config: Any, max_len: int) -> dict:
+    """The keyword arguments the stateful attention backends (:mod:`tokenloom.nn.linear_attention`) take, from a
+    model config; ``max_len`` is the longest key sequence (Linformer's projection length)."""
+    return dict(max_len=max_len, performer_features=getattr(config, "performer_features", 0),
+                performer_redraw=getattr(config, "performer_redraw", 0), linformer_k=getattr(config, "linformer_k", 64))
 
 
 def check_image_options(config: Any) -> tuple[int, int]:

@@ -43,7 +43,7 @@ from ..nn.block import DecodePlan, has_forward_hooks, inference_function, plain_
 from ..nn.dropout import Dropout
 from ..nn.masks import additive_mask, causal_mask, padding_mask
 from ..nn.positions import Position
-from .options import check_block_options
+from .options import attention_options, check_block_options
 from .registry import MODELS
 
 
@@ -64,7 +64,10 @@ class Seq2SeqConfig:
     mlp: str = "relu"  # relu (the paper) | gelu | gelu_tanh | silu | swiglu
     mlp_ratio: float = 4.0
     mlp_hidden_dim: int | None = None  # exact MLP hidden width; None = from mlp_ratio
-    attention: str = "sdpa"  # sdpa | math
+    attention: str = "sdpa"  # sdpa | math | performer (linformer: non-autoregressive models only)
+    performer_features: int = 0  # attention performer: random features per head; 0 = round(head_dim * ln head_dim)
+    performer_redraw: int = 0  # attention performer: draw new features every N training calls; 0 = never
+    linformer_k: int = 64  # attention linformer: positions the keys and values are projected to
     dropout: float = 0.1  # on embeddings and residual branches (and attention, unless attention_dropout)
     attention_dropout: float | None = None  # None = dropout
     bias: bool = True
@@ -89,7 +92,7 @@ class Seq2SeqConfig:
         for name in ("pad_id", "bos_id", "eos_id"):
             value = getattr(self, name)
             check(0 <= value < self.vocab_size, f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
-        check_block_options(self)
+        check_block_options(self, causal=getattr(self, "kind", None) is None)  # NAT decoders are not causal
 
     @property
     def max_seq_len(self) -> int:
@@ -122,7 +125,8 @@ class EncoderDecoder(nn.Module):
         self.embed_scale = math.sqrt(c.embed_dim) if c.scale_embeddings else 1.0
         self.embed_dropout = Dropout(c.dropout)
         common = dict(hidden_dim=c.mlp_hidden, mlp=c.mlp, norm=c.norm, attention=c.attention, dropout=c.dropout,
-                      bias=c.bias, norm_eps=c.norm_eps, attention_dropout=c.attention_dropout)
+                      bias=c.bias, norm_eps=c.norm_eps, attention_dropout=c.attention_dropout,
+                      attention_options=attention_options(c, max(c.max_source_len, c.max_target_len)))
         self.encoder = nn.ModuleList(create_block(c.norm_placement, c.embed_dim, c.num_heads, c.num_kv_heads,
                                                   **common) for _ in range(c.encoder_layers))
         self.decoder = nn.ModuleList(create_block(c.norm_placement, c.embed_dim, c.num_heads, c.num_kv_heads,

@@ -102,6 +102,8 @@ class SwinConfig:
         check(self.norm_eps > 0, f"norm_eps must be positive, got {self.norm_eps}")
         check_choice("mlp", self.mlp, MLPS)
         check_choice("attention", self.attention, ATTENTION_BACKENDS)
+        check(self.attention in ("sdpa", "math"), f"attention {self.attention!r} cannot add Swin's relative position "
+              "bias inside its windows (and windows of 49 tokens gain nothing from linear attention); use sdpa or math")
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> SwinConfig:

@@ -24,7 +24,7 @@ from ..nn import create_block, create_norm
 from ..nn.dropout import Dropout
 from ..nn.patch_embed import PatchEmbed, resample_grid, sincos_2d
 from ..registry import did_you_mean
-from .options import check_image_options, check_layer_options, from_preset, init_vision_linear
+from .options import attention_options, check_image_options, check_layer_options, from_preset, init_vision_linear
 from .registry import MODELS
 
 POOLS = ("cls", "mean")
@@ -51,7 +51,10 @@ class ViTConfig:
     pool: str = "cls"  # cls (a class token, classified) | mean (mean of the patch tokens, no class token)
     position: str = "learned"  # learned | sincos2d
     qkv_bias: bool = True  # bias on the query/key/value projection (the other linear layers always have one)
-    attention: str = "sdpa"  # attention backend: sdpa (fused) | math
+    attention: str = "sdpa"  # attention backend: sdpa (fused) | math | performer | linformer
+    performer_features: int = 0  # attention performer: random features per head; 0 = round(head_dim * ln head_dim)
+    performer_redraw: int = 0  # attention performer: draw new features every N training calls; 0 = never
+    linformer_k: int = 64  # attention linformer: positions the keys and values are projected to
     head_dim: int = field(init=False, default=0)  # derived: embed_dim // num_heads
     mlp_hidden: int = field(init=False, default=0)  # derived: the MLP hidden width the model builds
     grid_size: tuple[int, int] = field(init=False, default=(0, 0))  # derived: patch grid of image_size
@@ -113,7 +116,8 @@ class ViT(nn.Module):
         self.blocks = nn.ModuleList(
             create_block(c.norm_placement, c.embed_dim, c.num_heads, hidden_dim=c.mlp_hidden, mlp=c.mlp,
                          norm=c.norm, attention=c.attention, dropout=c.dropout, bias=True, norm_eps=c.norm_eps,
-                         attention_dropout=c.attention_dropout)
+                         attention_dropout=c.attention_dropout,
+                         attention_options=attention_options(c, c.num_prefix_tokens + num_patches))
             for _ in range(c.num_layers))
         if not c.qkv_bias:
             for block in self.blocks:

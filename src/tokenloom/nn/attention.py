@@ -10,6 +10,9 @@ additive float mask broadcastable to (B, H, Tq, Tk), and out (B, H, Tq, D).
 * ``sdpa``: torch's fused ``scaled_dot_product_attention`` (flash / memory-efficient kernels); the
   default. It never returns weights.
 * ``math``: the explicit ``softmax(q k^T / sqrt(D) + mask) v``; returns the probabilities when asked.
+* ``performer``, ``linformer``: linear-time approximations with state (random features, learned projections),
+  :mod:`.linear_attention`; registered as classes, each attention layer builds its own instance from
+  ``attention_options`` (``max_len``, ``performer_features``, ``performer_redraw``, ``linformer_k``).
 """
 
 from __future__ import annotations
@@ -130,7 +133,8 @@ class MultiHeadAttention(nn.Module):
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *, bias: bool = True,
-                 dropout: float = 0.0, backend: str = "sdpa", cross: bool = False) -> None:
+                 dropout: float = 0.0, backend: str = "sdpa", cross: bool = False,
+                 attention_options: dict | None = None) -> None:
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if embed_dim % num_heads:
@@ -149,7 +153,10 @@ class MultiHeadAttention(nn.Module):
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
         self.dropout = dropout
         self.backend_name = backend
-        self.backend = ATTENTION_BACKENDS.get(backend)
+        implementation = ATTENTION_BACKENDS.get(backend)
+        if isinstance(implementation, type):  # a backend with state (performer, linformer): one per layer
+            implementation = implementation(num_heads, self.head_dim, **(attention_options or {}))
+        self.backend = implementation
 
     def forward(self, x: Tensor, *, attn_mask: Tensor | None = None, is_causal: bool = False,
                 rope: tuple[Tensor, Tensor] | None = None, kv_cache: tuple[Tensor, Tensor] | None = None,
@@ -303,3 +310,9 @@ class MultiHeadAttention(nn.Module):
             return F.linear(out.transpose(1, 2).reshape(B, H * D), w_out, b_out)
 
         return step
+
+
+from .linear_attention import LinformerAttention, PerformerAttention  # noqa: E402  (they register here)
+
+ATTENTION_BACKENDS.register("performer")(PerformerAttention)
+ATTENTION_BACKENDS.register("linformer")(LinformerAttention)

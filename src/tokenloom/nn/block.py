@@ -92,15 +92,16 @@ class _Block(nn.Module):
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *, hidden_dim: int,
                  mlp: str = "gelu", norm: str = "layernorm", attention: str = "sdpa", dropout: float = 0.0,
                  bias: bool = True, cross_attention: bool = False, norm_eps: float | None = None,
-                 attention_dropout: float | None = None) -> None:
+                 attention_dropout: float | None = None, attention_options: dict | None = None) -> None:
         super().__init__()
         attention_dropout = dropout if attention_dropout is None else attention_dropout
         self.attn = MultiHeadAttention(embed_dim, num_heads, num_kv_heads, bias=bias, dropout=attention_dropout,
-                                       backend=attention)
+                                       backend=attention, attention_options=attention_options)
         self.norm1 = create_norm(norm, embed_dim, bias=bias, eps=norm_eps)
         if cross_attention:
             self.cross_attn = MultiHeadAttention(embed_dim, num_heads, num_kv_heads, bias=bias,
-                                                 dropout=attention_dropout, backend=attention, cross=True)
+                                                 dropout=attention_dropout, backend=attention, cross=True,
+                                                 attention_options=attention_options)
             self.norm_cross = create_norm(norm, embed_dim, bias=bias, eps=norm_eps)
         else:
             self.cross_attn = None
