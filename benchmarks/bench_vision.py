@@ -15,6 +15,7 @@ HF time / tokenloom time (> 1: tokenloom is faster).
     python benchmarks/bench_vision.py                             # both MNIST shapes, fp32
     python benchmarks/bench_vision.py --precision fp32,bf16,bf16w
     python benchmarks/bench_vision.py --shapes swin-mnist --modes train --steps 10 --out vision.json
+    python benchmarks/bench_vision.py --modes train --compile tokenloom     # train.compile: true vs HF eager
 """
 
 from __future__ import annotations
@@ -50,12 +51,13 @@ def logits_fn(model: nn.Module, is_hf: bool) -> Callable[[Tensor], Tensor]:
 
 
 def time_steps(model: nn.Module, is_hf: bool, mode: str, precision: str, batches: list[tuple[Tensor, Tensor]],
-               warmup: int) -> list[float]:
-    """Seconds of each step after ``warmup`` (train: forward + backward + AdamW step; infer: forward)."""
+               warmup: int, compiled: bool = False) -> list[float]:
+    """Seconds of each step after ``warmup`` (train: forward + backward + AdamW step; infer: forward);
+    ``compiled``: the model through ``torch.compile`` (compiled during the first, untimed, step)."""
     if precision == "bf16w":
         model.to(torch.bfloat16)
         batches = [(x.to(torch.bfloat16), y) for x, y in batches]
-    forward = logits_fn(model, is_hf)
+    forward = logits_fn(torch.compile(model) if compiled else model, is_hf)
     seconds = []
     if mode == "train":
         model.train()
@@ -82,7 +84,7 @@ def time_steps(model: nn.Module, is_hf: bool, mode: str, precision: str, batches
 
 
 def bench(shape: str, mode: str, precision: str, batch: int, steps: int, warmup: int, repeats: int,
-          hf_attn: str | None, seed: int) -> dict:
+          hf_attn: str | None, seed: int, compile_: str = "none") -> dict:
     torch.manual_seed(seed)
     base = SHAPES[shape]()
     c = base.config
@@ -99,13 +101,16 @@ def bench(shape: str, mode: str, precision: str, batch: int, steps: int, warmup:
             model = copy.deepcopy(base)
             if label == "HF":
                 model = to_hf(model, attn_implementation=hf_attn)
-            times[label] += time_steps(model, label == "HF", mode, precision, batches, warmup)
+            compiled = compile_ == "both" or (compile_ == "tokenloom" and label == "tokenloom")
+            times[label] += time_steps(model, label == "HF", mode, precision, batches, warmup, compiled)
             del model
     ours, theirs = statistics.median(times["tokenloom"]), statistics.median(times["HF"])
-    row = dict(shape=shape, mode=mode, precision=precision, batch=batch, tokenloom_images_per_s=batch / ours,
+    row = dict(shape=shape, mode=mode, precision=precision, compiled=compile_, batch=batch,
+               tokenloom_images_per_s=batch / ours,
                hf_images_per_s=batch / theirs, hf_over_tokenloom=theirs / ours, max_abs_logit_diff=diff,
                steps=steps, repeats=repeats, params=sum(p.numel() for p in base.parameters()))
-    print(f"  {shape:<11} {mode:<6} {precision:<5} tokenloom {row['tokenloom_images_per_s']:8.0f} img/s   "
+    print(f"  {shape:<11} {mode:<6} {precision:<5} compiled: {compile_:<9} "
+          f"tokenloom {row['tokenloom_images_per_s']:8.0f} img/s   "
           f"HF {row['hf_images_per_s']:8.0f} img/s   {row['hf_over_tokenloom']:.2f}x", file=sys.stderr, flush=True)
     return row
 
@@ -120,6 +125,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=2, help="rounds in which tokenloom and HF take turns")
     parser.add_argument("--hf-attn", default=None, help="HF attn_implementation (default: transformers' own, sdpa)")
+    parser.add_argument("--compile", default="none", choices=["none", "tokenloom", "both"],
+                        help="torch.compile tokenloom's model (what train.compile does) or both models")
     parser.add_argument("--threads", type=int, default=None)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", default=None, help="write the rows as JSON")
@@ -132,8 +139,8 @@ def main() -> None:
             for precision in args.precision.split(","):
                 batch = args.batch_size * (4 if mode == "infer" else 1)
                 rows.append(bench(shape, mode, precision, batch, args.steps, args.warmup, args.repeats, args.hf_attn,
-                                  args.seed))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+                                  args.seed, args.compile))
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiled: {args.compile}")
     print(f"{'shape':<11} {'mode':<6} {'prec':<5} {'batch':>5} {'tokenloom img/s':>16} {'HF img/s':>9} "
           f"{'HF/tokenloom':>13} {'max |dlogit|':>13}")
     for r in rows:

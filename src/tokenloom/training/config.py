@@ -87,6 +87,8 @@ class TrainConfig:
     keep_best: str | None = None  # also keep <run>/best: the checkpoint with the best value of this eval metric
     #   (e.g. val_bleu, val_acc: higher is better; val_loss / val_ppl: lower is better)
     average_last: int = 0  # at the end, average the weights of the last N checkpoints into <run>/averaged
+    compile: bool = False  # run the training forward through torch.compile (falls back to eager, with a warning)
+    compile_mode: str = "default"  # torch.compile mode: default | reduce-overhead | max-autotune
     scheduled_sampling: ScheduledSamplingConfig = field(default_factory=ScheduledSamplingConfig)  # translation
 
     def __post_init__(self) -> None:
@@ -105,6 +107,8 @@ class TrainConfig:
               f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
         check(self.grad_clip is None or self.grad_clip > 0, f"train.grad_clip must be positive, got {self.grad_clip}")
         check_choice("train.schedule", self.schedule, SCHEDULES)
+        check(self.compile_mode in ("default", "reduce-overhead", "max-autotune"),
+              f"train.compile_mode must be default, reduce-overhead or max-autotune, got {self.compile_mode!r}")
         if self.min_lr is None:
             self.min_lr = self.lr / 10
         check(0 <= self.min_lr <= self.lr, f"train.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")

@@ -26,6 +26,7 @@ from tqdm.auto import tqdm
 from ..checkpoint import STATE_FILE, resolve_checkpoint, write_checkpoint
 from ..errors import CheckpointError
 from ..nn.modes import eval_mode
+from .compile import CompiledForward
 from .config import RunConfig
 from .optim import create_optimizer
 from .precision import MasterWeights, autocast
@@ -48,6 +49,7 @@ class Trainer:
         self.scheduler = create_scheduler(self.optimizer, t.schedule, warmup_steps=t.warmup_steps,
                                           max_steps=t.max_steps, min_ratio=t.min_lr / t.lr)
         self.generator = torch.Generator().manual_seed(t.seed)  # the data order
+        self.forward_model = CompiledForward(model, t.compile_mode) if t.compile else model  # what the loss calls
         self.step = 0
         self.show_progress = show_progress
         self.last_eval: dict[str, float] = {}
@@ -202,7 +204,7 @@ class Trainer:
         for _ in range(t.grad_accum_steps):
             batch = self.task.get_batch(self.generator)
             with autocast(t.precision):
-                loss, n = self.task.loss(self.model, batch)
+                loss, n = self.task.loss(self.forward_model, batch)
             (loss / t.grad_accum_steps).backward()
             if self.master is not None:
                 self.master.accumulate_grads()

@@ -1,0 +1,66 @@
+"""``train.compile``: the training forward through ``torch.compile`` (TorchInductor), with a clean fallback.
+
+On CPU Inductor writes C++ kernels, so it needs a C++ compiler; where there is none, where this torch has no
+``torch.compile``, or where compiling the model fails, training warns once (one line) and runs eagerly: the
+option never stops a run. Compilation happens at the first step (seconds to a minute); ``mode`` is
+``torch.compile``'s (``default``, ``reduce-overhead``, ``max-autotune``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def compile_unavailable() -> str | None:
+    """Why ``torch.compile`` cannot run here, or None when it can."""
+    if not hasattr(torch, "compile"):
+        return "this torch has no torch.compile"
+    if not any(shutil.which(c) for c in filter(None, (os.environ.get("CXX"), "g++", "c++", "clang++"))):
+        return "no C++ compiler (g++, c++ or clang++; or $CXX) for Inductor's CPU kernels"
+    return None
+
+
+class CompiledForward:
+    """Calls ``model`` through ``torch.compile(model)``; falls back to the eager model, with one warning, when
+    compilation is unavailable or fails (the failing call is repeated eagerly). Attribute access goes to the
+    model, so tasks use it as the model."""
+
+    def __init__(self, model: nn.Module, mode: str = "default") -> None:
+        self.model = model
+        reason = compile_unavailable()
+        self.compiled: Callable[..., Any] | None = None
+        if reason is not None:
+            warnings.warn(f"train.compile: {reason}; training eagerly", stacklevel=2)
+        else:
+            self.compiled = torch.compile(model, mode=mode)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if self.compiled is None:
+            return self.model(*args, **kwargs)
+        try:
+            return self.compiled(*args, **kwargs)
+        except Exception as error:  # noqa: BLE001 — any compiler failure: fall back, never stop the run
+            if not _from_compiler(error):
+                raise
+            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+            warnings.warn(f"train.compile: compiling the model failed ({first_line[:200]}); training eagerly",
+                          stacklevel=2)
+            self.compiled = None
+            return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+
+def _from_compiler(error: BaseException) -> bool:
+    """Whether an exception came out of TorchDynamo / Inductor (not the model's own code)."""
+    module = type(error).__module__ or ""
+    return module.startswith(("torch._dynamo", "torch._inductor", "torch.fx", "torch._subclasses")) or \
+        "BackendCompilerFailed" in type(error).__name__
