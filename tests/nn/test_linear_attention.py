@@ -58,7 +58,7 @@ def test_causal_performer_equals_its_estimate_under_an_explicit_causal_mask(tq, 
     q, k, v = qkv(T=40)
     q = q[:, :, -tq:]
     out, _ = performer(q, k, v, None, True, 0.0, False)
-    qf = favor_features(q * 16 ** -0.25, performer.features, is_query=True)
+    qf = favor_features(q * 16 ** -0.25, performer.features, is_query=True)  # the scaling, done outside
     kf = favor_features(k * 16 ** -0.25, performer.features, is_query=False)
     scores = (qf @ kf.transpose(-2, -1)) * torch.ones(tq, 40, dtype=torch.bool).tril(40 - tq)
     explicit = (scores @ v) / scores.sum(-1, keepdim=True)

@@ -291,7 +291,7 @@ def describe_decoding(options: dict) -> str:
         parts.append(f"length beam {options['length_beam']}")
     if "rescorer" in options:
         parts.append("AR rescoring")
-    return ", ".join(parts) or "parallel"
+    return ", ".join(parts) or "one pass"
 
 
 def translate(args: argparse.Namespace) -> int:

@@ -6,6 +6,7 @@ Errors a user can cause print one line (``error: ...``) and exit with status 2; 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Callable
 
@@ -151,6 +152,31 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     t.add_argument("--out", default=None, help="folder for translate-bench.md / .csv / .png")
     t.set_defaults(func=_run_in("translation", "bench_translate"))
+    a = bench.add_parser("attention", help="time and peak memory of the attention backends over sequence lengths",
+                         description="Forward time, extra peak memory and (linear-time backends) error against "
+                                     "exact softmax attention, per backend and length, each in a fresh process.")
+    a.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192, 16384])
+    a.add_argument("--backends", nargs="+", default=["sdpa", "math", "performer", "linformer"],
+                   help="attention backends to measure (default: sdpa math performer linformer)")
+    a.add_argument("--mode", choices=["causal", "bidirectional", "both"], default="both",
+                   help="causal masks, none, or both (linformer: bidirectional only)")
+    a.add_argument("--batch", type=int, default=1)
+    a.add_argument("--heads", type=int, default=8)
+    a.add_argument("--head-dim", type=int, default=64)
+    a.add_argument("--repeats", type=int, default=3, help="timed calls after one warm-up; the fastest is kept")
+    a.add_argument("--math-max-length", type=int, default=8192,
+                   help="skip the explicit softmax above this length (its scores grow with the square)")
+    a.add_argument("--error-max-length", type=int, default=4096,
+                   help="measure the approximation error up to this length (it needs the exact output too)")
+    a.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    a.add_argument("--out", default=None, help="folder for attention-bench.md and attention-bench.png")
+    a.set_defaults(func=_run_in("bench", "bench_attention"))
+    r = bench.add_parser("roofline", help="the machine's limits: matmul peak (fp32, bf16), memory bandwidth",
+                         description="Matrix-product peak in float32 and bfloat16 and memory bandwidth, measured now.")
+    r.add_argument("--size", type=int, default=2048, help="matrix side for the peak (default 2048)")
+    r.add_argument("--gib", type=float, default=1.0, help="GiB streamed for the bandwidth (default 1)")
+    r.add_argument("--threads", type=int, default=None)
+    r.set_defaults(func=_run_in("bench", "bench_roofline"))
 
 
 _DTYPE_CHOICES = ["float32", "bfloat16", "float16"]

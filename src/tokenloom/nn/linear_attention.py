@@ -44,16 +44,21 @@ def orthogonal_random_features(num_features: int, dim: int, generator: torch.Gen
     return directions * norms
 
 
-def favor_features(x: Tensor, features: Tensor, is_query: bool, eps: float = 1e-4) -> Tensor:
-    """Positive random features of x (..., T, D) (already scaled by ``D^-1/4``) -> (..., T, m), float32.
+def favor_features(x: Tensor, features: Tensor, is_query: bool, eps: float = 1e-4, scale: float = 1.0) -> Tensor:
+    """Positive random features of ``scale * x`` (x (..., T, D); FAVOR+ scales q and k by ``D^-1/4``) ->
+    (..., T, m), float32, without materialising the scaled x.
 
     The largest exponent is subtracted for stability: per query row (it cancels in the ratio of each query's
     output) and over all keys of a head (a common factor of every key, which also cancels)."""
     x = x.float()
-    projected = x @ features.T.float()  # (..., T, m)
-    half_norm = 0.5 * (x * x).sum(-1, keepdim=True)
+    projected = x @ (scale * features.float()).T  # (..., T, m)
     peak = projected.amax(-1, keepdim=True) if is_query else projected.amax(dim=(-2, -1), keepdim=True)
-    return (torch.exp(projected - half_norm - peak.detach()) + eps) / math.sqrt(features.shape[0])
+    squared = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square()
+    shift = (0.5 * scale * scale) * squared + peak.detach()  # (..., T, 1): one pass over (T, m) below
+    # FAVOR+'s 1 / sqrt(m) is left out: it scales numerator and normaliser alike
+    if torch.is_grad_enabled() and (x.requires_grad or features.requires_grad):
+        return torch.exp(projected - shift) + eps
+    return projected.sub_(shift).exp_().add_(eps)  # inference: in place, no fresh (T, m) buffers to fault in
 
 
 def _key_weights(attn_mask: Tensor | None, is_causal: bool, tq: int, tk: int,
@@ -118,8 +123,8 @@ class PerformerAttention(nn.Module):
         tq, tk = q.shape[-2], k.shape[-2]
         weights, causal = _key_weights(attn_mask, is_causal, tq, tk, "performer")
         scale = self.head_dim ** -0.25
-        qf = favor_features(q * scale, self.features, is_query=True)  # (B, H, Tq, m)
-        kf = favor_features(k * scale, self.features, is_query=False)  # (B, H, Tk, m)
+        qf = favor_features(q, self.features, is_query=True, scale=scale)  # (B, H, Tq, m)
+        kf = favor_features(k, self.features, is_query=False, scale=scale)  # (B, H, Tk, m)
         if weights is not None:
             kf = kf * weights
         vf = v.float()

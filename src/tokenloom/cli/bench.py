@@ -1,0 +1,237 @@
+"""``tokenloom bench attention`` and ``tokenloom bench roofline``.
+
+``bench attention``: time and peak memory of the attention backends over sequence lengths, with the
+approximation error of the linear-time ones against exact softmax attention, as a table and a PNG.
+
+Each (backend, length, mode) runs in a fresh worker process (``multiprocessing`` spawn), so that its peak
+resident memory (``ru_maxrss``) minus the memory held before the call is the extra memory attention itself
+needed; the worker times the forward pass (the fastest of ``--repeats`` after one warm-up call). ``math`` is the
+explicit softmax (it materialises the (B, H, T, T) scores) and is skipped above ``--math-max-length``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing
+import sys
+from pathlib import Path
+
+from ..errors import ConfigError
+
+MODES = ("causal", "bidirectional")
+BACKENDS = ("sdpa", "math", "performer", "linformer")
+
+
+def _worker(backend: str, length: int, causal: bool, batch: int, heads: int, head_dim: int, repeats: int,
+            error_max_length: int, threads: int, queue) -> None:
+    import resource
+    import time
+
+    import torch
+    from torch.nn import functional as F
+
+    from ..nn import ATTENTION_BACKENDS
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(batch, heads, length, head_dim) for _ in range(3))
+    implementation = ATTENTION_BACKENDS.get(backend)
+    if isinstance(implementation, type):
+        implementation = implementation(heads, head_dim, max_len=length).eval()
+
+    def run():
+        with torch.inference_mode():
+            return implementation(q, k, v, None, causal, 0.0, False)[0]
+
+    def status_kib(field: str) -> int | None:  # VmRSS (now) or VmHWM (the high-water mark) from /proc
+        try:
+            with open("/proc/self/status") as fh:
+                return next(int(line.split()[1]) for line in fh if line.startswith(field + ":"))
+        except (OSError, StopIteration):
+            return None
+
+    try:  # reset the high-water mark to the current resident set (Linux >= 4.0)
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+    before = status_kib("VmRSS") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    start = time.perf_counter()
+    out = run()
+    first = time.perf_counter() - start
+    peak = status_kib("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB
+    del out
+    times = [first]
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        times.append(time.perf_counter() - start)
+    error = None
+    if backend in ("performer", "linformer") and length <= error_max_length:
+        with torch.inference_mode():
+            exact = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+            error = float((run() - exact).norm() / exact.norm())
+    queue.put(dict(seconds=min(times[1:] or times), extra_mib=max(peak - before, 0) / 1024, error=error))
+
+
+def measure(backend: str, length: int, causal: bool, args: argparse.Namespace) -> dict:
+    context = multiprocessing.get_context("spawn")
+    queue = context.Queue()
+    process = context.Process(target=_worker, args=(backend, length, causal, args.batch, args.heads, args.head_dim,
+                                                    args.repeats, args.error_max_length, args.threads, queue))
+    process.start()
+    process.join()
+    if process.exitcode != 0 or queue.empty():
+        return dict(failed=f"worker exited with code {process.exitcode} (out of memory?)")
+    return queue.get()
+
+
+def bench_attention(args: argparse.Namespace) -> int:
+    import torch
+
+    for name in ("batch", "heads", "head_dim", "repeats", "threads"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not args.lengths or min(args.lengths) < 1:
+        raise ConfigError(f"--lengths must be positive integers, got {args.lengths}")
+    unknown = [b for b in args.backends if b not in BACKENDS]
+    if unknown:
+        raise ConfigError(f"unknown attention backend {unknown[0]!r}; known: {', '.join(BACKENDS)}")
+    modes = MODES if args.mode == "both" else (args.mode,)
+    rows = []
+    for mode in modes:
+        for backend in args.backends:
+            if backend == "linformer" and mode == "causal":
+                continue  # non-causal by construction
+            for length in args.lengths:
+                row = dict(mode=mode, backend=backend, length=length)
+                if backend == "math" and length > args.math_max_length:
+                    scores = args.batch * args.heads * length * length * 4 / 2**30
+                    row["failed"] = f"skipped: the explicit scores alone take {scores:.1f} GiB"
+                else:
+                    row.update(measure(backend, length, mode == "causal", args))
+                rows.append(row)
+                print(f"  {mode:<13} {backend:<10} {length:>6}: " + (row.get("failed") or
+                      f"{1000 * row['seconds']:9.1f} ms  {row['extra_mib']:9.1f} MiB extra" +
+                      (f"  rel. error {row['error']:.3f}" if row.get("error") is not None else "")),
+                      file=sys.stderr, flush=True)
+    for row in rows:  # ratios against exact SDPA of the same mode and length
+        base = next((r for r in rows if r["backend"] == "sdpa" and r["mode"] == row["mode"]
+                     and r["length"] == row["length"] and "seconds" in r), None)
+        if base and "seconds" in row:
+            row["speedup"] = base["seconds"] / row["seconds"]
+            row["memory_ratio"] = row["extra_mib"] / base["extra_mib"] if base["extra_mib"] > 0 else None
+    header = ["mode", "backend", "length", "ms", "extra MiB", "speedup vs sdpa", "memory / sdpa's", "rel. error"]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for r in rows:
+        if "failed" in r:
+            lines.append(f"| {r['mode']} | {r['backend']} | {r['length']} | {r['failed']} | | | | |")
+            continue
+        memory_ratio = f"{r['memory_ratio']:.2f}" if r.get("memory_ratio") is not None else "-"
+        error = f"{r['error']:.3f}" if r.get("error") is not None else "-"
+        lines.append(f"| {r['mode']} | {r['backend']} | {r['length']} | {1000 * r['seconds']:.1f} | "
+                     f"{r['extra_mib']:.1f} | {r.get('speedup', 0):.2f}x | {memory_ratio} | {error} |")
+    table = "\n".join(lines)
+    print(f"attention: batch {args.batch}, {args.heads} heads, head dim {args.head_dim}, float32, "
+          f"{args.threads} threads, torch {torch.__version__}; forward pass, fastest of {args.repeats}; extra MiB = "
+          f"peak resident memory during the call minus before it; rel. error = |out - exact| / |exact| "
+          f"(lengths <= {args.error_max_length})\n\n{table}")
+    if args.out:
+        out = Path(args.out)
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "attention-bench.md").write_text(table + "\n", encoding="utf-8")
+        _plot(rows, out / "attention-bench.png")
+    return 0
+
+
+def _plot(rows: list[dict], path: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no plot", file=sys.stderr)
+        return
+    fig, (ax_time, ax_memory) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for mode, style in (("causal", "-"), ("bidirectional", "--")):
+        for backend in BACKENDS:
+            points = [r for r in rows if r["mode"] == mode and r["backend"] == backend and "seconds" in r]
+            if not points:
+                continue
+            lengths = [r["length"] for r in points]
+            label = f"{backend} ({mode})"
+            ax_time.plot(lengths, [1000 * r["seconds"] for r in points], style, marker="o", label=label)
+            ax_memory.plot(lengths, [max(r["extra_mib"], 0.1) for r in points], style, marker="o", label=label)
+    for ax, title in ((ax_time, "forward time (ms)"), (ax_memory, "extra memory (MiB)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length")
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+    ax_time.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def matmul_peak(dtype, size: int = 2048, repeats: int = 5) -> float:
+    """FLOP/s of the best of ``repeats`` (size x size) @ (size x size) products in ``dtype`` (after one warm-up)."""
+    import time
+
+    import torch
+
+    a, b = torch.randn(size, size).to(dtype), torch.randn(size, size).to(dtype)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
+def memory_bandwidth(gib: float = 1.0, repeats: int = 10) -> tuple[float, float]:
+    """(read, copy) bandwidth in bytes/s: the best of ``repeats`` ``x.sum()`` (reads ``gib`` GiB) and
+    ``y.copy_(x)`` (reads and writes it) over float32 tensors."""
+    import time
+
+    import torch
+
+    x = torch.ones(int(gib * 2**30) // 4)
+    y = torch.empty_like(x)
+    x.sum()
+    y.copy_(x)
+    read = copy = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        x.sum()
+        read = min(read, time.perf_counter() - start)
+        start = time.perf_counter()
+        y.copy_(x)
+        copy = min(copy, time.perf_counter() - start)
+    return x.numel() * 4 / read, 2 * x.numel() * 4 / copy
+
+
+def bench_roofline(args: argparse.Namespace) -> int:
+    """The machine's limits, measured now: matrix-product peak in float32 and bfloat16, memory bandwidth."""
+    import torch
+
+    if args.size < 64:
+        raise ConfigError(f"--size must be >= 64, got {args.size}")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    fp32 = matmul_peak(torch.float32, args.size)
+    bf16 = matmul_peak(torch.bfloat16, args.size)
+    read, copy = memory_bandwidth(args.gib)
+    rows = [("matmul peak, float32", f"{fp32 / 1e9:,.0f} GFLOP/s", f"{args.size}^3, best of 5"),
+            ("matmul peak, bfloat16", f"{bf16 / 1e9:,.0f} GFLOP/s", f"{bf16 / fp32:.1f}x float32"),
+            ("memory read bandwidth", f"{read / 1e9:.1f} GB/s", f"x.sum() over {args.gib:g} GiB, best of 10"),
+            ("memory copy bandwidth", f"{copy / 1e9:.1f} GB/s", "y.copy_(x): bytes read + written"),
+            ("ridge point, float32", f"{fp32 / read:.0f} FLOP/byte", "below it a kernel is bandwidth-bound"),
+            ("ridge point, bfloat16", f"{bf16 / read:.0f} FLOP/byte", "")]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print("| quantity | measured | note |\n|---|---:|---|")
+    for name, value, note in rows:
+        print(f"| {name} | {value} | {note} |")
+    return 0

@@ -1,0 +1,42 @@
+"""``tokenloom bench attention``: one row per backend, mode and length, measured in worker processes; bad
+arguments are one-line errors."""
+
+from __future__ import annotations
+
+import pytest
+
+from tokenloom.cli.main import main
+
+
+def test_bench_attention_writes_a_table_and_a_plot(tmp_path, capsys):
+    out = tmp_path / "att"
+    assert main(["bench", "attention", "--lengths", "48", "--backends", "sdpa", "math", "performer", "linformer",
+                 "--heads", "2", "--head-dim", "8", "--repeats", "1", "--math-max-length", "16", "--threads", "1",
+                 "--out", str(out)]) == 0
+    table = (out / "attention-bench.md").read_text()
+    lines = table.splitlines()[2:]
+    assert len(lines) == 3 + 4  # causal: sdpa, math, performer; bidirectional: + linformer
+    assert sum("math | 48 | skipped" in line for line in lines) == 2  # above --math-max-length
+    performer = [line for line in lines if "| performer |" in line]
+    assert all(line.split("|")[-2].strip() not in ("-", "") for line in performer)  # the error is measured
+    assert (out / "attention-bench.png").stat().st_size > 0
+    assert "speedup vs sdpa" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--backends", "flash9"], "unknown attention backend 'flash9'"),
+    (["--lengths", "0"], "--lengths must be positive"),
+    (["--heads", "0"], "--heads must be >= 1"),
+])
+def test_bench_attention_bad_arguments(argv, message, capsys):
+    assert main(["bench", "attention", *argv]) != 0
+    assert message in capsys.readouterr().err
+
+
+def test_bench_roofline_prints_the_machines_limits(capsys):
+    assert main(["bench", "roofline", "--size", "128", "--gib", "0.01", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    for quantity in ("matmul peak, float32", "matmul peak, bfloat16", "memory read bandwidth", "ridge point"):
+        assert quantity in out
+    assert main(["bench", "roofline", "--size", "8"]) != 0
+    assert "--size must be >= 64" in capsys.readouterr().err
