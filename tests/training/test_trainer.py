@@ -111,3 +111,13 @@ def test_missing_data_file(tmp_path):
     cfg["data"]["path"] = str(tmp_path / "missing.txt")
     with pytest.raises(DataError, match="data file not found"):
         run(cfg, tmp_path / "r")
+
+
+def test_activation_checkpointing_trains_the_same_weights(tmp_path):
+    cfg = recipe(tmp_path, max_steps=3, eval_every=0, checkpoint_every=0)
+    plain, _ = run(cfg, tmp_path / "plain", overrides=["model.dropout=0.0"])
+    saved, _ = run(cfg, tmp_path / "ckpt", overrides=["model.dropout=0.0", "train.activation_checkpointing=true"])
+    assert saved.model.config.gradient_checkpointing and not plain.model.config.gradient_checkpointing
+    a, b = params(plain.model), params(saved.model)
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)

@@ -87,6 +87,7 @@ class TrainConfig:
     keep_best: str | None = None  # also keep <run>/best: the checkpoint with the best value of this eval metric
     #   (e.g. val_bleu, val_acc: higher is better; val_loss / val_ppl: lower is better)
     average_last: int = 0  # at the end, average the weights of the last N checkpoints into <run>/averaged
+    activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory, more time)
     compile: bool = False  # run the training forward through torch.compile (falls back to eager, with a warning)
     compile_mode: str = "default"  # torch.compile mode: default | reduce-overhead | max-autotune
     scheduled_sampling: ScheduledSamplingConfig = field(default_factory=ScheduledSamplingConfig)  # translation

@@ -41,6 +41,12 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
         config.data_config, model_section, run_dir, batch_size=t.batch_size, seq_len=t.seq_len,
         label_smoothing=t.label_smoothing, eval_batches=t.eval_batches, tokenizer=tokenizer, seed=t.seed,
         **({"scheduled_sampling": t.scheduled_sampling} if t.scheduled_sampling.schedule != "none" else {}))
+    if t.activation_checkpointing:
+        model_config = getattr(model, "config", None)
+        if not hasattr(model_config, "gradient_checkpointing"):
+            raise ConfigError(f"train.activation_checkpointing: {type(model).__name__} models have no per-block "
+                              "activation checkpointing (GPT and the encoder-decoder families do)")
+        model_config.gradient_checkpointing = True
     if checkpoint is not None:  # before the Trainer takes float32 masters of the weights
         try:
             load_weights(model, checkpoint)
