@@ -218,8 +218,8 @@ class MultiHeadAttention(nn.Module):
                       rope: tuple[Tensor, Tensor] | None, residual: Tensor,
                       memory_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
         """``residual + forward(x, ...)[0]`` for an eval-mode pass over whole sequences (no cache, no weights,
-        no ``queries``), called as a plain method: the same computation without the ``nn.Module`` call overhead,
-        which for a batch-1 translation is a third of the time (the caller checks eval mode and hooks).
+        no ``queries``), called as a plain method: the same computation without the ``nn.Module`` call overhead
+        (a 15-token decoder block: 604 -> 447 us measured; the caller checks eval mode and hooks).
         x (B, T, C); cross-attention reads ``memory_kv`` (:meth:`memory_kv`, B rows) with ``attn_mask`` the
         memory's additive mask."""
         B, T, C = x.shape

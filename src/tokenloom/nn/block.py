@@ -52,33 +52,27 @@ class DecodePlan(NamedTuple):
 def has_forward_hooks(module: nn.Module) -> bool:
     """True when a submodule of ``module`` (not itself) or the global registry has forward (pre-)hooks: a
     decode plan or a plain eval pass would bypass them, so the modules must be called as usual."""
-    if nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
-        return True
-    return _hooked_below(module)
-
-
-def _hooked_below(module: nn.Module) -> bool:
-    # a walk over the _modules dicts: 4x cheaper than module.modules() (no memo set, no names)
-    for child in module._modules.values():
-        if child is not None and (child._forward_hooks or child._forward_pre_hooks or _hooked_below(child)):
-            return True
-    return False
+    return _global_hooks() or _below(module, training=False)
 
 
 def plain_eval(module: nn.Module) -> bool:
     """Whether the blocks of ``module`` may run as plain method calls (:meth:`PreNormBlock.sequence_eval`): it
     and every submodule in eval mode, and no forward hooks that the plain calls would bypass."""
-    if module.training or nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks:
-        return False
-    return _all_eval_unhooked(module)
+    return not module.training and not _global_hooks() and not _below(module, training=True)
 
 
-def _all_eval_unhooked(module: nn.Module) -> bool:
+def _global_hooks() -> bool:
+    return bool(nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+
+
+def _below(module: nn.Module, training: bool) -> bool:
+    """Whether a submodule has forward (pre-)hooks, or (``training``) is in training mode: a walk over the
+    ``_modules`` dicts, 4x cheaper than ``module.modules()`` (no memo set, no names)."""
     for child in module._modules.values():
-        if child is not None and (child.training or child._forward_hooks or child._forward_pre_hooks
-                                  or not _all_eval_unhooked(child)):
-            return False
-    return True
+        if child is not None and ((training and child.training) or child._forward_hooks
+                                  or child._forward_pre_hooks or _below(child, training)):
+            return True
+    return False
 
 
 def inference_function(module: nn.Module) -> Callable[[Tensor], Tensor]:
