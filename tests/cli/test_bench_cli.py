@@ -40,3 +40,21 @@ def test_bench_roofline_prints_the_machines_limits(capsys):
         assert quantity in out
     assert main(["bench", "roofline", "--size", "8"]) != 0
     assert "--size must be >= 64" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name", ["train", "generate"])
+def test_bench_train_and_generate_hand_their_arguments_to_the_benchmark(name, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", name, "--help"])
+    assert exit_.value.code == 0
+    assert f"usage: tokenloom bench {name}" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as exit_:
+        main(["bench", name, "--shapes", "bogus"])
+    assert exit_.value.code == 2
+    assert "unknown shape 'bogus'" in capsys.readouterr().err
+
+
+def test_other_commands_still_refuse_unknown_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "roofline", "--bogus"])
+    assert "unrecognized arguments: --bogus" in capsys.readouterr().err

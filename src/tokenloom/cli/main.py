@@ -10,7 +10,7 @@ import os
 import sys
 from collections.abc import Callable
 
-from ..errors import TokenloomError
+from ..errors import ConfigError, TokenloomError
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -171,6 +171,11 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     a.add_argument("--out", default=None, help="folder for attention-bench.md and attention-bench.png")
     a.set_defaults(func=_run_in("bench", "bench_attention"))
+    for name, what in (("train", "training throughput: tokenloom GPT vs HF GPT2LMHeadModel, fp32 / bf16"),
+                       ("generate", "greedy generation speed vs HF on the same weights, bandwidth bound, bf16")):
+        b = bench.add_parser(name, help=what, add_help=False,
+                             description=f"{what}; every option is the benchmark's own: tokenloom bench {name} --help")
+        b.set_defaults(func=_passthrough(f"..benchmarks.{name}"), passthrough=True)
     r = bench.add_parser("roofline", help="the machine's limits: matmul peak (fp32, bf16), memory bandwidth",
                          description="Matrix-product peak in float32 and bfloat16 and memory bandwidth, measured now.")
     r.add_argument("--size", type=int, default=2048, help="matrix side for the peak (default 2048)")
@@ -220,6 +225,23 @@ def _run(name: str) -> Callable[[argparse.Namespace], int]:
     return call
 
 
+def _passthrough(module: str) -> Callable[[argparse.Namespace], int]:
+    """A command whose arguments all go to ``module.main(argv)`` (a benchmark with its own parser); needs the
+    ``parity`` extra (transformers), named in one line when it is missing."""
+    def call(args: argparse.Namespace) -> int:
+        import importlib
+
+        try:
+            benchmark = importlib.import_module(module, __package__)
+        except ImportError as err:
+            raise ConfigError(f"this benchmark needs {err.name or 'an optional package'}: "
+                              "pip install 'tokenloom[parity]'") from None
+        benchmark.main(args.rest)
+        return 0
+
+    return call
+
+
 def _run_in(module: str, name: str) -> Callable[[argparse.Namespace], int]:
     def call(args: argparse.Namespace) -> int:
         import importlib
@@ -247,7 +269,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, rest = parser.parse_known_args(argv)
+    if getattr(args, "passthrough", False):
+        args.rest = rest
+    elif rest:
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.func(args) or 0
     except TokenloomError as err:
