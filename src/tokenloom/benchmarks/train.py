@@ -9,6 +9,10 @@ load from other processes; the mean is printed too). Variants take turns across 
     tokenloom bench train                          # small and medium shapes
     tokenloom bench train --shapes small --timed-steps 50 --out train.json
     tokenloom bench train --loss-curve 500         # bf16 vs fp32 loss on Tiny Shakespeare
+    tokenloom bench train --preset gpt-6l-384 --dtype bf16 --compile   # with torch.compile variants
+
+Every row also gets its MFU: tokens/s x training FLOPs per token (6 N + 12 L C T) / the matmul peak of its
+dtype (fp32 for fp32, bf16 for the bf16 variants) measured at the start of the run.
 
 ``--loss-curve N`` trains tokenloom in fp32 and in bf16 (float32 master weights) from the same init on the same
 batches of real char-level text (medium shape) and prints the validation loss at N/4, N/2 and N.
@@ -34,12 +38,14 @@ from torch.nn import functional as F
 
 from tokenloom.interop import to_hf
 from tokenloom.models.gpt import GPT, GPTConfig
+from tokenloom.training.compile import CompiledForward
 from tokenloom.training.precision import MasterWeights
 
 SHAPES: dict[str, dict] = {
     "small": dict(num_layers=4, embed_dim=128, num_heads=4, max_seq_len=64, batch_size=12, timed_steps=20),
     "medium": dict(num_layers=6, embed_dim=384, num_heads=6, max_seq_len=256, batch_size=8, timed_steps=10),
 }
+PRESETS = {"gpt-4l-128": "small", "gpt-6l-384": "medium"}  # --preset names of the shapes
 VOCAB = 65
 DEFAULT_DATA = Path("data/tinyshakespeare/input.txt")  # relative to the working directory (the repository)
 
@@ -54,14 +60,16 @@ def autocast(bf16: bool) -> contextlib.AbstractContextManager:
     return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
-def make_step(model: nn.Module, is_hf: bool, precision: str, lr: float = 3e-4) -> Callable[[Tensor, Tensor], Tensor]:
+def make_step(model: nn.Module, is_hf: bool, precision: str, lr: float = 3e-4,
+              compiled: bool = False) -> Callable[[Tensor, Tensor], Tensor]:
     """One training step in ``precision``: ``fp32``, ``bf16-autocast`` (torch.autocast), or ``bf16``
-    (tokenloom's default: a bf16 model with float32 master weights, as the Trainer does it)."""
-    forward = logits_fn(model, is_hf)
+    (tokenloom's default: a bf16 model with float32 master weights, as the Trainer does it); ``compiled``: the
+    forward through the Trainer's ``train.compile`` wrapper (eager, with a warning, where it cannot compile)."""
     master = MasterWeights(model) if precision == "bf16" else None
     opt = torch.optim.AdamW(master.masters if master else model.parameters(), lr=lr)
     if master:
         master.to_low()
+    forward = logits_fn(CompiledForward(model) if compiled else model, is_hf)
 
     def step(x: Tensor, y: Tensor) -> Tensor:
         with autocast(precision == "bf16-autocast"):
@@ -87,10 +95,10 @@ def logits_fn(model: nn.Module, is_hf: bool) -> Callable[[Tensor], Tensor]:
 
 
 def train_steps(model: nn.Module, is_hf: bool, precision: str, batches: list[tuple[Tensor, Tensor]],
-                warmup: int) -> tuple[list[float], float]:
+                warmup: int, compiled: bool = False) -> tuple[list[float], float]:
     """Train on ``batches``; return (seconds of each step after ``warmup``, last loss)."""
     model.train()
-    train_step = make_step(model, is_hf, precision)
+    train_step = make_step(model, is_hf, precision, compiled=compiled)
     seconds = []
     loss = torch.zeros(())
     for step, (x, y) in enumerate(batches):
@@ -119,31 +127,55 @@ VARIANTS = [  # (label, is_hf, precision)
 ]
 
 
-def bench_shape(shape: str, warmup: int, timed: int, repeats: int, seed: int) -> list[dict]:
+def variants(dtype: str, compiled: bool) -> list[tuple[str, bool, str, bool]]:
+    """(label, is_hf, precision, compiled) for ``--dtype`` fp32 | bf16 | all (HF fp32, the reference, always)
+    and ``--compile`` (tokenloom compiled variants added)."""
+    chosen = [(label, hf, precision, False) for label, hf, precision in VARIANTS
+              if label == "HF fp32" or dtype == "all" or precision.startswith(dtype)]
+    if compiled:
+        chosen += [(f"{label} compiled", hf, precision, True) for label, hf, precision, _ in chosen
+                   if not hf and precision != "bf16-autocast"]
+    return chosen
+
+
+def flops_per_token(model: GPT) -> float:
+    """Training FLOPs per token (forward + backward): 6 N for the matrix products of N parameters plus
+    12 L C T for attention's scores and weighted sums (Chowdhery et al. 2022, appendix B)."""
+    c = model.config
+    return 6 * sum(p.numel() for p in model.parameters()) + 12 * c.num_layers * c.embed_dim * c.max_seq_len
+
+
+def bench_shape(shape: str, warmup: int, timed: int, repeats: int, seed: int, dtype: str = "all",
+                compiled: bool = False, peaks: dict[str, float] | None = None) -> list[dict]:
     """Every variant from the same initial weights on the same batches. tokens/s comes from the median
-    step time (robust to bursts of load from other processes); the mean is kept alongside."""
+    step time (robust to bursts of load from other processes); the mean is kept alongside. With ``peaks``
+    (matmul FLOP/s per dtype, measured in this run) each row gets its model FLOPs utilisation."""
     s = SHAPES[shape]
     torch.manual_seed(seed)
     base = GPT(model_config(shape))
     batches = random_batches(warmup + timed, s["batch_size"], s["max_seq_len"], seed)
     step_tokens = s["batch_size"] * s["max_seq_len"]
-    steps: dict[str, list[float]] = {label: [] for label, _, _ in VARIANTS}
+    chosen = variants(dtype, compiled)
+    steps: dict[str, list[float]] = {label: [] for label, _, _, _ in chosen}
     losses: dict[str, float] = {}
     for _ in range(repeats):  # variants take turns, so a burst of load from elsewhere hits them alike
-        for label, is_hf, precision in VARIANTS:
+        for label, is_hf, precision, compile_ in chosen:
             model = to_hf(copy.deepcopy(base)) if is_hf else copy.deepcopy(base)
-            seconds, losses[label] = train_steps(model, is_hf, precision, batches, warmup)
+            seconds, losses[label] = train_steps(model, is_hf, precision, batches, warmup, compile_)
             steps[label] += seconds
             del model
             print(f"  {shape:<7} {label:<15} {step_tokens / statistics.median(seconds):>10.0f} tok/s "
                   f"(median step)", file=sys.stderr, flush=True)
     rows = []
-    for label, _, _ in VARIANTS:
+    for label, _, precision, _ in chosen:
         median, mean = statistics.median(steps[label]), statistics.fmean(steps[label])
         rows.append(dict(shape=shape, variant=label, tokens_per_s=step_tokens / median,
                          tokens_per_s_mean=step_tokens / mean, ms_per_step_median=1000 * median,
                          ms_per_step_mean=1000 * mean, timed_steps=timed, repeats=repeats, warmup_steps=warmup,
                          batch_size=s["batch_size"], seq_len=s["max_seq_len"], last_loss=losses[label]))
+        if peaks:
+            peak = peaks["fp32" if precision == "fp32" else "bf16"]
+            rows[-1]["mfu"] = rows[-1]["tokens_per_s"] * flops_per_token(base) / peak
     ref = next(r["tokens_per_s"] for r in rows if r["variant"] == "HF fp32")
     for r in rows:
         r["vs_hf_fp32"] = r["tokens_per_s"] / ref
@@ -151,10 +183,11 @@ def bench_shape(shape: str, warmup: int, timed: int, repeats: int, seed: int) ->
 
 
 def print_table(rows: list[dict]) -> None:
-    print(f"{'shape':<8} {'variant':<16} {'tokens/s':>10} {'vs HF fp32':>11} {'ms/step':>8} "
+    print(f"{'shape':<8} {'variant':<33} {'tokens/s':>10} {'vs HF fp32':>11} {'MFU':>6} {'ms/step':>8} "
           f"{'(mean)':>8} {'last loss':>10}")
     for r in rows:
-        print(f"{r['shape']:<8} {r['variant']:<16} {r['tokens_per_s']:>10.0f} {r['vs_hf_fp32']:>10.2f}x "
+        mfu = f"{100 * r['mfu']:5.1f}%" if "mfu" in r else f"{'-':>6}"
+        print(f"{r['shape']:<8} {r['variant']:<33} {r['tokens_per_s']:>10.0f} {r['vs_hf_fp32']:>10.2f}x {mfu} "
               f"{r['ms_per_step_median']:>8.1f} {r['ms_per_step_mean']:>8.1f} {r['last_loss']:>10.4f}")
 
 
@@ -240,6 +273,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tokenloom bench train", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", default="small,medium", help=f"comma-separated, from {', '.join(SHAPES)}")
+    parser.add_argument("--preset", default=None, choices=sorted(PRESETS),
+                        help="one shape by its preset name (gpt-4l-128 = small, gpt-6l-384 = medium)")
+    parser.add_argument("--dtype", choices=["fp32", "bf16", "all"], default="all",
+                        help="the tokenloom variants to time (HF fp32, the reference, always runs)")
+    parser.add_argument("--compile", action="store_true",
+                        help="add tokenloom variants whose forward runs through torch.compile (train.compile)")
     parser.add_argument("--warmup-steps", type=int, default=3)
     parser.add_argument("--timed-steps", type=int, default=None,
                         help="timed steps per variant (default: 20 for small, 10 for medium)")
@@ -262,12 +301,20 @@ def main(argv: list[str] | None = None) -> None:
         results: dict = dict(info, loss_curve=loss_curve(args.loss_curve, args.data, args.seed))
     else:
         rows = []
-        for shape in args.shapes.split(","):
-            shape = shape.strip()
+        shapes = [PRESETS[args.preset]] if args.preset else [shape.strip() for shape in args.shapes.split(",")]
+        for shape in shapes:
             if shape not in SHAPES:
                 parser.error(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+        from ..cli.bench import matmul_peak
+
+        peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+        print(f"matmul peak measured now: fp32 {peaks['fp32'] / 1e9:,.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:,.0f} "
+              "GFLOP/s (MFU = tokens/s x training FLOPs per token / the peak of the variant's matmul dtype)")
+        info["matmul_peak"] = peaks
+        for shape in shapes:
             timed = args.timed_steps or SHAPES[shape]["timed_steps"]
-            rows += bench_shape(shape, args.warmup_steps, timed, args.repeats, args.seed)
+            rows += bench_shape(shape, args.warmup_steps, timed, args.repeats, args.seed, args.dtype, args.compile,
+                                peaks)
         print()
         print_table(rows)
         results = dict(info, train=rows)
