@@ -3,6 +3,8 @@ arguments are one-line errors."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from tokenloom.cli.main import main
@@ -58,3 +60,9 @@ def test_other_commands_still_refuse_unknown_arguments(capsys):
     with pytest.raises(SystemExit):
         main(["bench", "roofline", "--bogus"])
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
+
+
+def test_bench_generate_refuses_a_model_that_is_not_a_gpt(capsys):
+    translation = Path(__file__).resolve().parents[2] / "checkpoints" / "multi30k-de-en"  # the bundled seq2seq
+    assert main(["bench", "generate", str(translation)]) == 2
+    assert "holds a 'seq2seq' model; bench generate measures GPT models" in capsys.readouterr().err

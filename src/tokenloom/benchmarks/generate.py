@@ -5,13 +5,14 @@ attention, sdpa), so both compute the same function and the generated tokens sho
 Each run is timed after one untimed run of the same length (the first pass over every sequence length
 is slower). Reported per (shape, batch size): ms per generated token (wall time / new tokens, prefill
 of the 16-token prompt included), the ratio HF / tokenloom (> 1: tokenloom faster) and the fraction of
-generated tokens that agree. For the gpt2 shape at batch 1 it also prints the memory-bandwidth
+generated tokens that agree. At batch 1 it also prints the memory-bandwidth
 bound: every weight must be read once per step, so a step takes at least weight bytes / bandwidth,
 with the bandwidth measured in the same run (best of 10 ``x.sum()`` over a 1 GiB fp32 tensor).
 
     tokenloom bench generate
     tokenloom bench generate --shapes tiny --batch-sizes 1 --new-tokens 64
     tokenloom bench generate --bf16 --out generate.json
+    tokenloom bench generate checkpoints/shakespeare-char --batch 1 8   # a trained model's own weights
 
 ``--bf16`` adds tokenloom in bf16 (weights cast to bf16, and fp32 weights under bf16 autocast):
 speed, and teacher-forced next-token agreement with fp32 on the fp32 model's own greedy
@@ -162,22 +163,45 @@ def bench_bf16(model: GPT, variant: GPT, use_autocast: bool, fp32_output: Tensor
                 teacher_forced_agreement=teacher_forced_agreement(model, variant, fp32_output, use_autocast))
 
 
+def models(args: argparse.Namespace) -> list[tuple[str, Callable[[], GPT]]]:
+    """(name, build) per model to measure: the GPT checkpoints or run directories given, else ``--shapes``
+    with random weights."""
+    if not args.runs:
+        return [(shape, lambda shape=shape: GPT(SHAPES[shape]())) for shape in args.shapes.split(",")]
+    from tokenloom.checkpoint import load_model, read_config, resolve_checkpoint
+    from tokenloom.errors import ConfigError
+
+    out = []
+    for run in args.runs:
+        checkpoint = resolve_checkpoint(run)
+        family = (read_config(checkpoint).get("model") or {}).get("family", "gpt")
+        if family != "gpt":
+            raise ConfigError(f"{checkpoint} holds a {family!r} model; bench generate measures GPT models")
+        out.append((str(run), lambda checkpoint=checkpoint: load_model(checkpoint)[0]))
+    return out
+
+
 def bench(args: argparse.Namespace) -> dict:
     gen_fn = tokenloom_generate(args.reference_loop)
     rows, bf16_rows = [], []
     bandwidth = measure_bandwidth()
     print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s", file=sys.stderr)
-    for shape in args.shapes.split(","):
+    for shape, make in models(args):
         torch.manual_seed(args.seed)
-        model = GPT(SHAPES[shape]()).eval()
+        model = make().eval()
         hf = to_hf(model).eval()
+        room = model.config.max_seq_len - PROMPT_LEN
+        if args.new_tokens > room:
+            print(f"  {shape}: {room} new tokens (its context is {model.config.max_seq_len})", file=sys.stderr)
+        model_args = copy.copy(args)
+        model_args.new_tokens = min(args.new_tokens, room)
         variants = {}
         if args.bf16:
             variants["bf16 weights"] = (copy.deepcopy(model).to(torch.bfloat16), False)
             variants["bf16 autocast"] = (model, True)
-        for batch in (int(b) for b in args.batch_sizes.split(",")):
-            row, ours = bench_batch(model, hf, shape, batch, gen_fn, args)
-            if shape == "gpt2" and batch == 1:
+        for batch in args.batch or [int(b) for b in args.batch_sizes.split(",")]:
+            row, ours = bench_batch(model, hf, shape, batch, gen_fn, model_args)
+            if batch == 1:
                 bound = weight_bytes(model) / bandwidth
                 row.update(weight_bytes=weight_bytes(model), bandwidth_bound_ms=1000 * bound,
                            tokenloom_over_bound=row["tokenloom_ms_per_token"] / (1000 * bound))
@@ -185,7 +209,7 @@ def bench(args: argparse.Namespace) -> dict:
             for label, (variant, use_autocast) in variants.items():
                 r = dict(shape=shape, batch_size=batch, variant=label,
                          **bench_bf16(model, variant, use_autocast, ours, row["tokenloom_ms_per_token"],
-                                      gen_fn, args))
+                                      gen_fn, model_args))
                 bf16_rows.append(r)
                 print(f"  {shape} b{batch} {label}: {r['ms_per_token']:.2f} ms/tok, "
                       f"agreement {r['teacher_forced_agreement']:.4f}", file=sys.stderr, flush=True)
@@ -205,7 +229,7 @@ def print_tables(results: dict, reference_loop: bool) -> None:
     print(f"\nmemory bandwidth: {bw / 1e9:.1f} GB/s (best of 10 x.sum() over a 1 GiB fp32 tensor)")
     for r in results["generate"]:
         if "bandwidth_bound_ms" in r:
-            print(f"gpt2 batch 1: weights {r['weight_bytes'] / 1e6:.0f} MB -> bound "
+            print(f"{r['shape']} batch 1: weights {r['weight_bytes'] / 1e6:.0f} MB -> bound "
                   f"{r['bandwidth_bound_ms']:.2f} ms/token; "
                   f"tokenloom {r['tokenloom_ms_per_token']:.2f} ms/token = "
                   f"{r['tokenloom_over_bound']:.2f}x the bound")
@@ -221,8 +245,11 @@ def print_tables(results: dict, reference_loop: bool) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="tokenloom bench generate", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("runs", nargs="*", help="GPT checkpoints or run directories to measure on their own weights "
+                        "(default: --shapes with random weights)")
     parser.add_argument("--shapes", default="tiny,gpt2", help=f"comma-separated, from {', '.join(SHAPES)}")
     parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--batch", type=int, nargs="+", default=None, help="batch sizes (instead of --batch-sizes)")
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=2,
                         help="time each run this many times (tokenloom and HF taking turns), keep the best")
