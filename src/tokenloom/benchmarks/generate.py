@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import os
 import platform
 import sys
@@ -35,6 +34,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from tokenloom.benchmarks import report_load_and_save
 from tokenloom.interop import to_hf
 from tokenloom.models.gpt import GPT, GPTConfig
 
@@ -273,13 +273,8 @@ def main(argv: list[str] | None = None) -> None:
     results = bench(args)
     print_tables(results, args.reference_loop)
     results.update(torch=torch.__version__, transformers=transformers.__version__, threads=args.threads,
-                   date=time.strftime("%Y-%m-%d"), machine=platform.processor() or platform.machine(),
-                   load_average=(load_before, os.getloadavg()[0]))
-    load = results["load_average"]
-    print(f"1-min load average before/after: {load[0]:.2f} / {load[1]:.2f}"
-          + (" (other processes competed for the CPU)" if min(load) > args.threads + 0.5 else ""))
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
+                   date=time.strftime("%Y-%m-%d"), machine=platform.processor() or platform.machine())
+    report_load_and_save(results, load_before, args.threads, args.out)
 
 
 if __name__ == "__main__":

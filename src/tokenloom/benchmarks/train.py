@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import json
 import os
 import platform
 import statistics
@@ -36,6 +35,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from tokenloom.benchmarks import report_load_and_save
 from tokenloom.interop import to_hf
 from tokenloom.models.gpt import GPT, GPTConfig
 from tokenloom.training.compile import CompiledForward
@@ -318,12 +318,7 @@ def main(argv: list[str] | None = None) -> None:
         print()
         print_table(rows)
         results = dict(info, train=rows)
-    load = (load_before, os.getloadavg()[0])
-    results["load_average"] = load
-    print(f"1-min load average before/after: {load[0]:.2f} / {load[1]:.2f}"
-          + (" (other processes competed for the CPU)" if min(load) > args.threads + 0.5 else ""))
-    if args.out:
-        args.out.write_text(json.dumps(results, indent=2))
+    report_load_and_save(results, load_before, args.threads, args.out)
 
 
 if __name__ == "__main__":
