@@ -186,3 +186,18 @@ def test_swin_stage_smaller_than_the_window_is_refused_by_export():
         to_hf(model)
     assert_one_line(err.value, "cannot run stage 3's 4x4 map with window_size=7")
     assert model(pixels({})).shape == (2, 10)  # tokenloom itself runs it
+
+
+@pytest.mark.parametrize("family", ["gpt", "vit"])
+def test_export_refuses_linear_attention_backends(family):
+    """Their weights would load into HF's models, which compute exact softmax attention with them: refused."""
+    from tokenloom import GPT, GPTConfig
+
+    if family == "gpt":
+        model = GPT(GPTConfig(vocab_size=30, num_layers=1, num_heads=2, embed_dim=16, max_seq_len=16,
+                              attention="performer"))
+    else:
+        model = ViT(ViTConfig(image_size=8, patch_size=4, in_channels=1, num_classes=3, embed_dim=16, num_layers=1,
+                              num_heads=2, attention="linformer"))
+    with pytest.raises(ConfigError, match="has no Hugging Face equivalent"):
+        to_hf(model)

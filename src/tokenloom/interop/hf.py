@@ -48,6 +48,7 @@ from ..checkpoint import load_model, load_state, resolve_checkpoint, write_check
 from ..data.tokenizers import Tokenizer
 from ..errors import CheckpointError, ConfigError
 from ..models.factory import create_model, model_config_to_dict
+from ..models.options import LINEAR_ATTENTION
 from ..registry import Registry
 
 HF_CONFIG_FILE = "config.json"
@@ -164,6 +165,10 @@ def find_converter(hf_config: dict[str, Any]) -> HFConverter:
 
 def converter_for(family: str, config: Any) -> HFConverter:
     """The first converter of ``family`` that can express ``config``; the error names every reason."""
+    attention = getattr(config, "attention", "sdpa")
+    if attention in LINEAR_ATTENTION:  # the weights would load, and HF would compute exact attention with them
+        raise ConfigError(f"attention {attention!r} has no Hugging Face equivalent (its models use exact softmax "
+                          "attention); only models with attention sdpa or math can be exported")
     reasons = []
     for conv in _converters():
         if conv.family != family:
