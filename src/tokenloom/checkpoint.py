@@ -114,8 +114,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     return model.to(device).eval(), config
 
 
-def load_weights(model: nn.Module, path: str | Path) -> None:
-    """Load ``model.safetensors`` of a checkpoint into ``model``, checking names and shapes."""
+def load_weights(model: nn.Module, path: str | Path, fresh: Callable[[str], bool] | None = None) -> None:
+    """Load ``model.safetensors`` of a checkpoint into ``model``, checking names and shapes; tensors whose names
+    ``fresh`` accepts may be absent from the checkpoint (they keep their initial values)."""
     weights = resolve_checkpoint(path) / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"checkpoint is missing its weights: {weights}")
@@ -123,14 +124,17 @@ def load_weights(model: nn.Module, path: str | Path) -> None:
         state = load_file(str(weights))
     except (SafetensorError, OSError, ValueError) as err:
         raise CheckpointError(f"{weights} is truncated or corrupt ({str(err).splitlines()[0]})") from None
-    load_state(model, state, str(weights))
+    load_state(model, state, str(weights), fresh)
 
 
-def load_state(model: nn.Module, state: dict[str, torch.Tensor], source: str) -> None:
+def load_state(model: nn.Module, state: dict[str, torch.Tensor], source: str,
+               fresh: Callable[[str], bool] | None = None) -> None:
     """Copy ``state`` into ``model``'s tensors (casting to their dtype), after checking that the names
-    match (tied copies may be left out) and every shape agrees; errors name ``source``."""
+    match (tied copies may be left out, and names ``fresh`` accepts) and every shape agrees; errors name
+    ``source``."""
     expected = model.state_dict()
-    missing = [k for k in expected if k not in state and not _is_tied(model, k, state)]
+    missing = [k for k in expected if k not in state and not _is_tied(model, k, state)
+               and not (fresh is not None and fresh(k))]
     unexpected = [k for k in state if k not in expected]
     if missing or unexpected:
         raise CheckpointError(f"{source} does not match its config: missing {missing[:3]}, "

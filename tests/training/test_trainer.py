@@ -121,3 +121,16 @@ def test_activation_checkpointing_trains_the_same_weights(tmp_path):
     a, b = params(plain.model), params(saved.model)
     for k in a:
         torch.testing.assert_close(a[k], b[k], atol=1e-6, rtol=1e-5)
+
+
+def test_fine_tuning_may_switch_to_a_linear_attention_backend(tmp_path):
+    """init_from an exact-attention run with attention: performer: every weight is taken over; the performer's
+    random features (absent from the checkpoint) start fresh."""
+    cfg = recipe(tmp_path, max_steps=2, eval_every=0, checkpoint_every=0)
+    base, _ = run(cfg, tmp_path / "base", overrides=["model.dropout=0.0"])
+    tuned_cfg = recipe(tmp_path, max_steps=1, eval_every=0, checkpoint_every=0, lr=1e-9, warmup_steps=0,
+                       init_from=str(tmp_path / "base"))
+    tuned, summary = run(tuned_cfg, tmp_path / "tuned", overrides=["model.dropout=0.0", "model.attention=performer"])
+    assert tuned.model.config.attention == "performer" and summary["step"] == 1
+    assert "blocks.0.attn.backend.features" in tuned.model.state_dict()
+    torch.testing.assert_close(tuned.model.tok_embed.weight, base.model.tok_embed.weight, atol=1e-6, rtol=0)

@@ -49,7 +49,9 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
         model_config.gradient_checkpointing = True
     if checkpoint is not None:  # before the Trainer takes float32 masters of the weights
         try:
-            load_weights(model, checkpoint)
+            # fine-tuning may switch the attention backend: a performer's random features or a linformer's
+            # projections, absent from a checkpoint trained with exact attention, start from their initial values
+            load_weights(model, checkpoint, fresh=None if resume else (lambda name: ".backend." in name))
         except CheckpointError as err:
             if resume:
                 raise
