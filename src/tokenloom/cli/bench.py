@@ -145,13 +145,10 @@ def bench_attention(args: argparse.Namespace) -> int:
 
 
 def _plot(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
+    from .plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed: no plot", file=sys.stderr)
+    plt = pyplot("attention plot")
+    if plt is None:
         return
     fig, (ax_time, ax_memory) = plt.subplots(1, 2, figsize=(11, 4.2))
     for mode, style in (("causal", "-"), ("bidirectional", "--")):

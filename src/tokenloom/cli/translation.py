@@ -212,14 +212,10 @@ def bench_translate(args: argparse.Namespace) -> int:
 
 
 def _scatter(rows: list[dict], path: Path) -> None:
-    try:
-        import matplotlib
+    from .plotting import pyplot
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        print("matplotlib is not installed (pip install 'tokenloom[viz]'): no speed/quality plot",
-              file=sys.stderr)
+    plt = pyplot("speed/quality plot")
+    if plt is None:
         return
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
