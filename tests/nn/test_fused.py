@@ -9,7 +9,7 @@ from torch.nn import functional as F
 
 from tokenloom.nn import ATTENTION_BACKENDS, MultiHeadAttention, create_block, fused
 from tokenloom.nn.attention import EXPLICIT_TRAINING_MAX_KEYS, explicit_training, partition_views
-from tokenloom.nn.fused import ACTIVATIONS, fusable, linear_act, linear_add
+from tokenloom.nn.fused import ACTIVATIONS, decode_linear, fusable, linear_act, linear_add
 from tokenloom.nn.windows import permute_tokens, window_order, window_partition
 
 PLAIN = {"gelu": F.gelu, "gelu_tanh": lambda x: F.gelu(x, approximate="tanh"), "relu": F.relu, "silu": F.silu}
@@ -58,6 +58,38 @@ def test_fused_kernels_step_aside_for_autograd_autocast_and_other_dtypes():
     out = linear_add(x, wg, None, torch.zeros(4, 8))
     out.sum().backward()  # the plain ops carry the gradient
     assert torch.allclose(wg.grad, x.sum(0).expand(8, 8))
+
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 8])
+@pytest.mark.parametrize("bias", [True, False])
+def test_decode_linear_equals_linear_and_follows_weight_updates(dtype, rows, bias):
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(48, 80, bias=bias).to(dtype)
+    run = decode_linear(layer.weight, layer.bias, rows=rows)
+    x = torch.randn(rows, 48, dtype=dtype)
+    with torch.inference_mode():
+        exact = F.linear(x, layer.weight, layer.bias)
+        tol = 1e-5 if dtype == torch.float32 else 0.0  # bf16: the packed kernel computes bit for bit the same
+        assert (run(x).float() - exact.float()).abs().max() <= tol
+    with torch.no_grad():  # a training step / load_state_dict: the prepared copy must follow
+        layer.weight.mul_(-2.0)
+    with torch.inference_mode():
+        assert (run(x).float() - F.linear(x, layer.weight, layer.bias).float()).abs().max() <= 2 * tol
+    again = decode_linear(layer.weight, layer.bias, rows=rows)  # a new plan reuses the prepared weight
+    with torch.inference_mode():
+        assert torch.equal(again(x), run(x))
+
+
+def test_decode_linear_runs_plain_linear_for_autograd_and_autocast():
+    layer = torch.nn.Linear(16, 8)
+    run = decode_linear(layer.weight, layer.bias, rows=4)
+    x = torch.randn(4, 16)
+    run(x).sum().backward()  # autograd records: F.linear, which carries the gradient
+    assert torch.allclose(layer.weight.grad, x.sum(0).expand(8, 16))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        assert run(x).dtype == torch.bfloat16  # autocast applies as it does to F.linear
 
 
 def blocks():

@@ -22,7 +22,6 @@ from functools import partial
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config import check
@@ -30,6 +29,7 @@ from ..errors import GenerationError
 from ..nn import POSITIONS, KVCache, create_block, create_norm
 from ..nn.block import DecodePlan, has_forward_hooks, inference_function
 from ..nn.dropout import Dropout
+from ..nn.fused import decode_linear
 from ..nn.masks import additive_mask, causal_mask, padding_mask, positions_from_mask
 from ..nn.positions import Position
 from .options import attention_options, check_block_options, from_preset
@@ -232,7 +232,7 @@ class GPT(nn.Module):
             head = self.lm_head
             cache.plan = DecodePlan(steps=steps, final_norm=inference_function(self.final_norm),
                                     embed=partial(torch.embedding, self.tok_embed.weight),
-                                    head=partial(F.linear, weight=head.weight, bias=head.bias))
+                                    head=decode_linear(head.weight, head.bias, rows=cache.batch_size))
         return cache.plan
 
     def forward_head(self, hidden: Tensor) -> Tensor:
@@ -245,7 +245,7 @@ class GPT(nn.Module):
         hidden, _ = self.forward_features(input_ids, positions=positions, attention_mask=attention_mask,
                                           cache=cache)
         plan = cache.plan if cache is not None and hidden.shape[1] == 1 else None
-        return plan.head(hidden) if plan else self.forward_head(hidden)
+        return plan.head(hidden[:, 0])[:, None] if plan else self.forward_head(hidden)  # the plan's on (B, C)
 
 
 MODELS.register("gpt")((GPTConfig, GPT))

@@ -33,7 +33,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from ..config import check
@@ -41,6 +40,7 @@ from ..errors import GenerationError
 from ..nn import POSITIONS, KVCache, create_block, create_norm
 from ..nn.block import DecodePlan, has_forward_hooks, inference_function, plain_eval
 from ..nn.dropout import Dropout
+from ..nn.fused import decode_linear
 from ..nn.masks import additive_mask, causal_mask, padding_mask
 from ..nn.positions import Position
 from .options import attention_options, check_block_options
@@ -253,7 +253,7 @@ class EncoderDecoder(nn.Module):
                 head = self.lm_head
                 cache.plan = DecodePlan(steps=steps, final_norm=inference_function(self.decoder_norm),
                                         embed=partial(torch.embedding, self.tgt_embed.weight),
-                                        head=partial(F.linear, weight=head.weight, bias=head.bias))
+                                        head=decode_linear(head.weight, head.bias, rows=cache.batch_size))
         return cache.plan
 
     def _decode_step(self, plan: DecodePlan, target: Tensor, positions: Tensor, cache: Seq2SeqCache) -> Tensor:

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..registry import Registry
-from .fused import linear_add
+from .fused import decode_linear, linear_add
 from .positions import apply_rotary
 
 Backend = Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float, bool], tuple[Tensor, Tensor | None]]
@@ -266,11 +266,13 @@ class MultiHeadAttention(nn.Module):
         w_out, b_out = self.out_proj.weight, self.out_proj.bias
         backend = self.backend
         k_buf, v_buf = kv[0], kv[1]  # (B, Hkv, max_len, D) each
+        qkv_linear = decode_linear(w_in, b_in, rows=kv.shape[1])
+        out_linear = decode_linear(w_out, b_out, rows=kv.shape[1])
 
         def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: tuple[Tensor, Tensor] | None) -> Tensor:
             B = x.shape[0]
             end = pos + 1
-            qkv = F.linear(x, w_in, b_in).view(B, H + 2 * Hkv, 1, D)  # (B, H + 2Hkv, T=1, D): no transpose
+            qkv = qkv_linear(x).view(B, H + 2 * Hkv, 1, D)  # (B, H + 2Hkv, T=1, D): no transpose
             if rope is None:
                 q = qkv[:, :H]
                 kv[:, :, :, pos:end] = qkv[:, H:].view(B, 2, Hkv, 1, D).transpose(0, 1)  # (2, B, Hkv, 1, D)
@@ -280,7 +282,7 @@ class MultiHeadAttention(nn.Module):
                 k_buf[:, :, pos:end] = qk[:, H:]
                 v_buf[:, :, pos:end] = qkv[:, H + Hkv:]
             out, _ = backend(q, k_buf[:, :, :end], v_buf[:, :, :end], attn_mask, False, 0.0, False)
-            return F.linear(out.reshape(B, H * D), w_out, b_out)  # (B, H, 1, D) -> (B, C)
+            return out_linear(out.reshape(B, H * D))  # (B, H, 1, D) -> (B, C)
 
         return step
 
@@ -302,12 +304,13 @@ class MultiHeadAttention(nn.Module):
         backend = self.backend
         k, v = memory_kv
         Bm = k.shape[0]
+        q_linear, out_linear = decode_linear(w_q, b_q), decode_linear(w_out, b_out)
 
         def step(x: Tensor) -> Tensor:
             B = x.shape[0]
-            q = F.linear(x, w_q, b_q).view(Bm, B // Bm, H, D).transpose(1, 2)  # (Bm, H, g, D)
+            q = q_linear(x).view(Bm, B // Bm, H, D).transpose(1, 2)  # (Bm, H, g, D)
             out, _ = backend(q, k, v, memory_mask, False, 0.0, False)  # (Bm, H, g, D)
-            return F.linear(out.transpose(1, 2).reshape(B, H * D), w_out, b_out)
+            return out_linear(out.transpose(1, 2).reshape(B, H * D))
 
         return step
 

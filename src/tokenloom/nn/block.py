@@ -75,11 +75,11 @@ def _below(module: nn.Module, training: bool) -> bool:
     return False
 
 
-def inference_function(module: nn.Module) -> Callable[[Tensor], Tensor]:
-    """``module.inference_function()`` where the module offers one (a plain eval-mode function), else the
-    module itself."""
+def inference_function(module: nn.Module, **kwargs) -> Callable[[Tensor], Tensor]:
+    """``module.inference_function(**kwargs)`` where the module offers one (a plain eval-mode function), else
+    the module itself."""
     make = getattr(module, "inference_function", None)
-    return make() if make is not None else module
+    return make(**kwargs) if make is not None else module
 
 
 class _Block(nn.Module):
@@ -125,7 +125,7 @@ class _Block(nn.Module):
             cross = self.cross_attn.cross_inference_step(memory_kv, memory_mask)
             cross_norm = inference_function(self.norm_cross)
         return (self.attn.inference_step(kv), inference_function(self.norm1), cross, cross_norm,
-                inference_function(self.norm2), inference_function(self.mlp))
+                inference_function(self.norm2), inference_function(self.mlp, rows=kv.shape[1]))
 
 
 @BLOCKS.register("pre")

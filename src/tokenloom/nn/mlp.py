@@ -1,8 +1,9 @@
 """Position-wise feed-forward networks, by name: ``gelu``, ``gelu_tanh``, ``relu``, ``silu``, ``swiglu``.
 
 Shapes: x (B, T, C) -> (B, T, C); the hidden width is ``hidden_dim``. Each MLP's
-``inference_function()`` returns a plain function equal to ``forward`` in eval mode (no dropout), without
-the ``nn.Module`` call overhead, for decode loops; it captures the current parameters. ``add_to(residual, x)``
+``inference_function(rows)`` returns a plain function equal to ``forward`` in eval mode (no dropout), without
+the ``nn.Module`` call overhead, for decode loops of ``rows`` rows per call, its linear layers through
+:func:`tokenloom.nn.fused.decode_linear`; it captures the current parameters. ``add_to(residual, x)``
 is ``residual + forward(x)``, in eval-mode inference on CPU with the activation fused into the first linear
 layer and the residual into the second (:mod:`tokenloom.nn.fused`).
 """
@@ -17,7 +18,7 @@ from torch.nn import functional as F
 
 from ..registry import Registry
 from .dropout import Dropout
-from .fused import linear_act, linear_add
+from .fused import decode_linear, linear_act, linear_add
 
 MLPS: Registry[type[nn.Module]] = Registry("mlp")
 
@@ -46,12 +47,13 @@ class _TwoLayerMLP(nn.Module):
         h = linear_act(x, self.fc_in.weight, self.fc_in.bias, self.act_name)
         return linear_add(h, self.fc_out.weight, self.fc_out.bias, residual)
 
-    def inference_function(self) -> Callable[[Tensor], Tensor]:
-        w_in, b_in, w_out, b_out = self.fc_in.weight, self.fc_in.bias, self.fc_out.weight, self.fc_out.bias
+    def inference_function(self, rows: int | None = None) -> Callable[[Tensor], Tensor]:
+        fc_in = decode_linear(self.fc_in.weight, self.fc_in.bias, rows)
+        fc_out = decode_linear(self.fc_out.weight, self.fc_out.bias, rows)
         act = self.inference_act()
 
         def mlp(x: Tensor) -> Tensor:
-            return F.linear(act(F.linear(x, w_in, b_in)), w_out, b_out)
+            return fc_out(act(fc_in(x)))
 
         return mlp
 
@@ -136,12 +138,13 @@ class SwiGLU(nn.Module):
         h = linear_act(x, self.fc_gate.weight, self.fc_gate.bias, "silu") * self.fc_up(x)
         return linear_add(h, self.fc_out.weight, self.fc_out.bias, residual)
 
-    def inference_function(self) -> Callable[[Tensor], Tensor]:
-        w_gate, b_gate, w_up, b_up = self.fc_gate.weight, self.fc_gate.bias, self.fc_up.weight, self.fc_up.bias
-        w_out, b_out = self.fc_out.weight, self.fc_out.bias
+    def inference_function(self, rows: int | None = None) -> Callable[[Tensor], Tensor]:
+        gate, up = decode_linear(self.fc_gate.weight, self.fc_gate.bias, rows), \
+            decode_linear(self.fc_up.weight, self.fc_up.bias, rows)
+        fc_out = decode_linear(self.fc_out.weight, self.fc_out.bias, rows)
 
         def mlp(x: Tensor) -> Tensor:
-            return F.linear(F.silu(F.linear(x, w_gate, b_gate)) * F.linear(x, w_up, b_up), w_out, b_out)
+            return fc_out(F.silu(gate(x)) * up(x))
 
         return mlp
 
