@@ -14,6 +14,9 @@ with the bandwidth measured in the same run (best of 10 ``x.sum()`` over a 1 GiB
     tokenloom bench generate --bf16 --out generate.json
     tokenloom bench generate checkpoints/shakespeare-char --batch 1 8   # a trained model's own weights
 
+``--compile`` adds ``generate(compile=True)`` (the one-token step compiled over a static cache), fp32 and,
+with ``--bf16``, bf16 weights, with the fraction of its tokens equal to eager decoding's.
+
 ``--bf16`` adds tokenloom in bf16 (weights cast to bf16, and fp32 weights under bf16 autocast):
 speed, and teacher-forced next-token agreement with fp32 on the fp32 model's own greedy
 continuation (argmax of bf16 logits == argmax of fp32 logits at every generated position).
@@ -163,6 +166,22 @@ def bench_bf16(model: GPT, variant: GPT, use_autocast: bool, fp32_output: Tensor
                 teacher_forced_agreement=teacher_forced_agreement(model, variant, fp32_output, use_autocast))
 
 
+def bench_compiled(variant: GPT, eager_output: Tensor, fp32_ms: float, args: argparse.Namespace) -> dict:
+    """``generate(compile=True)`` on the eager run's prompt (compiled in the untimed warm-up): speed, and the
+    fraction of its tokens equal to eager decoding's with the same weights (``eager_output``)."""
+    from tokenloom.generation import GenerationConfig, generate
+
+    n = args.new_tokens
+    ids = eager_output[:, :PROMPT_LEN]
+    config = GenerationConfig(max_new_tokens=n, do_sample=False, compile=True)
+    with torch.no_grad():
+        generate(variant, ids, config)  # warm-up: compiles the step
+        [(seconds, out)] = timed([lambda: generate(variant, ids, config)], args.repeats)
+    ms = 1000 * seconds / n
+    agree = (out[:, PROMPT_LEN:] == eager_output[:, PROMPT_LEN:]).float().mean().item()
+    return dict(ms_per_token=ms, speedup_vs_fp32=fp32_ms / ms, token_agreement_with_eager=agree)
+
+
 def models(args: argparse.Namespace) -> list[tuple[str, Callable[[], GPT]]]:
     """(name, build) per model to measure: the GPT checkpoints or run directories given, else ``--shapes``
     with random weights."""
@@ -183,7 +202,7 @@ def models(args: argparse.Namespace) -> list[tuple[str, Callable[[], GPT]]]:
 
 def bench(args: argparse.Namespace) -> dict:
     gen_fn = tokenloom_generate(args.reference_loop)
-    rows, bf16_rows = [], []
+    rows, bf16_rows, compiled_rows = [], [], []
     bandwidth = measure_bandwidth()
     print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s", file=sys.stderr)
     for shape, make in models(args):
@@ -213,8 +232,20 @@ def bench(args: argparse.Namespace) -> dict:
                 bf16_rows.append(r)
                 print(f"  {shape} b{batch} {label}: {r['ms_per_token']:.2f} ms/tok, "
                       f"agreement {r['teacher_forced_agreement']:.4f}", file=sys.stderr, flush=True)
+            if args.compile:
+                eager = {"fp32 compiled": (model, ours)}
+                if "bf16 weights" in variants:
+                    bf16 = variants["bf16 weights"][0]
+                    with torch.no_grad():
+                        eager["bf16 compiled"] = (bf16, gen_fn(bf16, ours[:, :PROMPT_LEN], model_args.new_tokens))
+                for label, (variant, eager_out) in eager.items():
+                    r = dict(shape=shape, batch_size=batch, variant=label,
+                             **bench_compiled(variant, eager_out, row["tokenloom_ms_per_token"], model_args))
+                    compiled_rows.append(r)
+                    print(f"  {shape} b{batch} {label}: {r['ms_per_token']:.2f} ms/tok, tokens equal to eager "
+                          f"{r['token_agreement_with_eager']:.4f}", file=sys.stderr, flush=True)
         del model, hf, variants
-    return dict(bandwidth_bytes_per_s=bandwidth, generate=rows, bf16=bf16_rows)
+    return dict(bandwidth_bytes_per_s=bandwidth, generate=rows, bf16=bf16_rows, compiled=compiled_rows)
 
 
 def print_tables(results: dict, reference_loop: bool) -> None:
@@ -240,6 +271,13 @@ def print_tables(results: dict, reference_loop: bool) -> None:
         for r in results["bf16"]:
             print(f"{r['shape']:<6} {r['batch_size']:>5} {r['variant']:<14} {r['ms_per_token']:>8.2f} "
                   f"{r['speedup_vs_fp32']:>7.2f}x {r['teacher_forced_agreement']:>10.4f}")
+    if results.get("compiled"):
+        print("\ntokenloom generate(compile=True) (tokens equal to eager decoding with the same weights; compiled in "
+              "an untimed warm-up)")
+        print(f"{'shape':<6} {'batch':>5} {'variant':<14} {'ms/tok':>8} {'vs fp32':>8} {'same tokens':>12}")
+        for r in results["compiled"]:
+            print(f"{r['shape']:<6} {r['batch_size']:>5} {r['variant']:<14} {r['ms_per_token']:>8.2f} "
+                  f"{r['speedup_vs_fp32']:>7.2f}x {r['token_agreement_with_eager']:>12.4f}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -254,6 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2,
                         help="time each run this many times (tokenloom and HF taking turns), keep the best")
     parser.add_argument("--bf16", action="store_true", help="also time tokenloom in bf16 and check agreement")
+    parser.add_argument("--compile", action="store_true",
+                        help="also time generate(compile=True) (fp32, and bf16 with --bf16)")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="torch.set_num_threads (default: all cores)")
     parser.add_argument("--seed", type=int, default=0)

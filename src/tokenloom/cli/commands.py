@@ -126,6 +126,9 @@ def generate(args: argparse.Namespace) -> int:
     if getattr(model, "decoder_for", None) is not None:
         raise ConfigError("this is a translation model: use `tokenloom translate`")
     if args.beam > 1:
+        if args.compile:
+            raise ConfigError(f"--compile applies to greedy decoding and sampling; beam search (--beam {args.beam}) "
+                              "runs eagerly")
         return _generate_beam(args, model, tokenizer)
     if args.beam < 1:
         raise ConfigError(f"--beam must be >= 1, got {args.beam}")
@@ -136,7 +139,8 @@ def generate(args: argparse.Namespace) -> int:
         config = _gen_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              do_sample=not args.greedy and args.temperature > 0, top_k=args.top_k,
                              top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                             stop_strings=list(args.stop), eos_token_id=tokenizer.eos_id, seed=seed)
+                             stop_strings=list(args.stop), eos_token_id=tokenizer.eos_id, seed=seed,
+                             compile=args.compile)
         _stream_text(model, tokenizer, args.prompt, config)
     return 0
 

@@ -47,6 +47,9 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--compile", action="store_true",
+                   help="one-token steps through torch.compile over a static cache (warns and runs eagerly where "
+                        "it cannot; see docs/performance.md for when it pays)")
     p.set_defaults(func=_run("generate"))
 
 

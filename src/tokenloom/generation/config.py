@@ -37,6 +37,7 @@ class GenerationConfig:
     #   heuristic); "never": ... and no running one can beat it at any length (exact)
     num_return_sequences: int = 1  # best hypotheses beam_search returns per prompt (<= num_beams)
     no_repeat_ngram_size: int = 0  # beam search never repeats an n-gram of this size (prompt included); 0 = off
+    compile: bool = False  # one-token steps through torch.compile over a static cache (GPT; greedy or sampling)
 
     def __post_init__(self) -> None:
         check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
@@ -76,6 +77,9 @@ class GenerationConfig:
               f"got {self.num_return_sequences!r}")
         check(_is_int(self.no_repeat_ngram_size) and self.no_repeat_ngram_size >= 0,
               f"no_repeat_ngram_size must be an integer >= 0 (0 = off), got {self.no_repeat_ngram_size!r}")
+        check(isinstance(self.compile, bool), f"compile must be true or false, got {self.compile!r}")
+        check(not (self.compile and self.num_beams > 1), f"compile applies to greedy decoding and sampling; beam "
+                                                         f"search (num_beams={self.num_beams}) runs eagerly")
         if self.num_beams > 1:
             check(self.greedy, f"num_beams={self.num_beams} (beam search) needs do_sample=False: beam sampling is "
                                "not supported")

@@ -18,12 +18,15 @@ The model protocol (:class:`tokenloom.models.GPT` follows it)::
   stopped or after ``max_new_tokens`` steps.
 * Stopped rows leave the batch once they are an eighth of it (``cache.select(rows)``, where the model's
   cache offers it): the rows still decoding run on a smaller batch. The results are the same.
+* ``config.compile``: after the eager prefill, each one-token step runs compiled over a static cache
+  (:mod:`tokenloom.generation.compiled`; rows that stop then stay in the batch); the tokens are the same.
 * :func:`generate` is :func:`stream` run to the end; both run under ``torch.inference_mode()`` with the
   model in eval mode (its previous mode is restored afterwards).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator
 from typing import Protocol
 
@@ -32,6 +35,7 @@ from torch import Tensor, nn
 
 from ..errors import GenerationError
 from ..nn.modes import enter_eval, restore_training
+from .compiled import StaticDecodeStep, StaticKVCache, static_cache_length, why_not_compiled
 from .config import GenerationConfig
 from .processors import create_processors
 
@@ -164,16 +168,32 @@ class _Decoding:
         switched = enter_eval(model)
         try:
             finished = torch.zeros(B, 1, dtype=torch.bool, device=sequences.device)  # rows that stopped
+            static = None  # the compiled step (config.compile), None = eager steps
             with inference:
-                cache = model.create_cache(B, T + n)
-            can_drop = track and callable(getattr(cache, "select", None))
+                if config.compile and (reason := why_not_compiled(model)) is not None:
+                    warnings.warn(f"generate(compile=True): {reason}; decoding eagerly", stacklevel=2)
+                elif config.compile:
+                    M = static_cache_length(T + n, getattr(getattr(model, "config", None), "max_seq_len", None))
+                    cache = StaticKVCache(model.create_cache(B, M))
+                    key_mask = None
+                    if full_mask is not None:  # (B, M): the prompt's padding is never attended
+                        key_mask = torch.ones(B, M, dtype=torch.bool, device=sequences.device)
+                        key_mask[:, :T + n] = full_mask.bool()
+                    static = StaticDecodeStep(model, cache, key_mask)
+                if static is None:
+                    cache = model.create_cache(B, T + n)
+            can_drop = track and callable(getattr(cache, "select", None)) and static is None
             rows = None  # the rows still decoding (their batch indices) once stopped rows were dropped; None: all
             tokens, positions = sequences[:, :T], self.positions  # the prompt, then (A, 1) per step
             mask = full_mask[:, :T] if full_mask is not None else None
             step_pos = positions[:, :T]
             for t in range(n):
                 with inference:
-                    logits = model(tokens, positions=step_pos, attention_mask=mask, cache=cache)  # (A, T|1, V)
+                    logits = static(tokens, step_pos) if static is not None and t else None  # (B, 1, V) | None
+                    if logits is None:
+                        logits = model(tokens, positions=step_pos, attention_mask=mask, cache=cache)  # (A, T|1, V)
+                        if t and static is not None:  # its compilation failed: eager from now on
+                            static = None
                     scores = logits[:, -1]  # (A, V)
                     if scores.dtype != torch.float32:
                         scores = scores.float()

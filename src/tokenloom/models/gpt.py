@@ -221,6 +221,36 @@ class GPT(nn.Module):
             cache.advance(T)
         return self.final_norm(x), weights
 
+    def static_step(self, input_ids: Tensor, positions: Tensor, pos: Tensor, key_mask: Tensor | None,
+                    layers: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """One eval-mode decode position per row with static shapes, for ``torch.compile`` (the same function
+        of its inputs at every step, so it compiles once): (B, 1) ids at (B, 1) ``positions`` -> (B, V) logits.
+
+        ``layers`` holds each layer's cached keys and values, (B, Hkv, M, D) each, separate tensors (a compiled
+        step writes them in place; views of one storage would be copied whole); the new keys and values are
+        written at position ``pos`` ((1,) long tensor) and attention runs over all M positions with a mask that
+        allows those ``<= pos`` and, per row, ``key_mask`` (B, M) (False = padding) where given. The caller
+        advances the cache. :func:`tokenloom.generation.generate` runs it with ``compile=True``
+        (:mod:`tokenloom.generation.compiled`).
+        """
+        x = self.tok_embed(input_ids)  # (B, 1, C)
+        added = self.position.embed(positions)
+        if added is not None:
+            x = x + added
+        rope = self.position.rotary(positions)
+        index = torch.arange(layers[0][0].shape[-2], device=input_ids.device)  # (M,)
+        allowed = (index <= pos)[None]  # (1, M)
+        if key_mask is not None:
+            allowed = allowed & key_mask  # (B, M)
+        mask = additive_mask(allowed[:, None, None, :], x.dtype)  # (B|1, 1, 1, M)
+        if self._position_bias:
+            bias = self.position.bias(pos, index)  # (1, H, 1, M) | None
+            if bias is not None:
+                mask = mask + bias.to(x.dtype)
+        for i, block in enumerate(self.blocks):
+            x, _ = block(x, attn_mask=mask, rope=rope, kv_cache=layers[i], cache_pos=pos)
+        return self.lm_head(self.final_norm(x))[:, 0]
+
     def _decode_plan(self, cache: KVCache) -> DecodePlan | bool:
         """Build the :class:`DecodePlan` bound to ``cache`` and keep it on ``cache.plan``; False (call the
         modules) when a submodule has forward hooks or a block has no ``inference_step``."""

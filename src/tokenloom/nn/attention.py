@@ -160,9 +160,9 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: Tensor, *, attn_mask: Tensor | None = None, is_causal: bool = False,
                 rope: tuple[Tensor, Tensor] | None = None, kv_cache: tuple[Tensor, Tensor] | None = None,
-                cache_pos: int = 0, memory: Tensor | None = None, memory_kv: tuple[Tensor, Tensor] | None = None,
-                need_weights: bool = False, residual: Tensor | None = None,
-                queries: int | None = None) -> tuple[Tensor, Tensor | None]:
+                cache_pos: int | Tensor = 0, memory: Tensor | None = None,
+                memory_kv: tuple[Tensor, Tensor] | None = None, need_weights: bool = False,
+                residual: Tensor | None = None, queries: int | None = None) -> tuple[Tensor, Tensor | None]:
         """x (B, T, C) -> (B, T, C), and the (B, H, T, Tk) probabilities when ``need_weights`` and the
         backend can give them.
 
@@ -172,7 +172,9 @@ class MultiHeadAttention(nn.Module):
         last layer, whose other positions nothing reads.
 
         ``kv_cache`` is a layer's preallocated (k, v) pair, each (B, Hkv, S, D): the new keys and values
-        are written at ``cache_pos`` and attention runs over positions ``[0, cache_pos + T)``.
+        are written at ``cache_pos`` and attention runs over positions ``[0, cache_pos + T)``. With
+        ``cache_pos`` a (T,) long tensor of positions (static shapes, for a compiled decode step) they are
+        written there and attention runs over all S positions: ``attn_mask`` must hide those not yet written.
 
         Cross-attention takes ``memory`` (Bm, S, C) or its keys and values ``memory_kv`` computed once by
         :meth:`memory_kv` (a decoder's cache). When ``x`` has ``B = Bm * g`` rows, each group of ``g``
@@ -205,10 +207,15 @@ class MultiHeadAttention(nn.Module):
                     attn_mask = attn_mask[..., :queries, :]
             if kv_cache is not None:
                 k_buf, v_buf = kv_cache
-                end = cache_pos + T
-                k_buf[:, :, cache_pos:end] = k
-                v_buf[:, :, cache_pos:end] = v
-                k, v = k_buf[:, :, :end], v_buf[:, :, :end]
+                if isinstance(cache_pos, Tensor):  # static shapes: write at the (T,) positions, attend over all
+                    k_buf.index_copy_(2, cache_pos, k)
+                    v_buf.index_copy_(2, cache_pos, v)
+                    k, v = k_buf, v_buf
+                else:
+                    end = cache_pos + T
+                    k_buf[:, :, cache_pos:end] = k
+                    v_buf[:, :, cache_pos:end] = v
+                    k, v = k_buf[:, :, :end], v_buf[:, :, :end]
         dropout = self.dropout if self.training else 0.0
         out, weights = self.backend(q, k, v, attn_mask, is_causal, dropout, need_weights)
         out = out.transpose(1, 2).reshape(B, T, C)  # (B, T, H*D)

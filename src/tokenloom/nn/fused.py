@@ -7,11 +7,12 @@ activation and the residual are applied while the output tile is still in cache,
 over memory. In float32 the results equal the unfused ops (GELU, ReLU, residual add: bit for bit; SiLU to float
 rounding).
 
-They run only where they can and pay: :func:`fusable` is False with autograd recording (the fused primitive has
-no backward), under autocast, off CPU, for dtypes other than float32 / bfloat16, when oneDNN is switched off or
-the op is missing from the torch build, and for inputs of fewer than ``FUSED_MIN_ROWS`` rows: each call costs
-oneDNN ~35 us more than a plain matrix product, so for a batch-1 decoder pass (15-45 rows x 256 -> 1024) the fused
-op is 30-60% slower than linear + add, and it only draws level from ~1,000 rows (measured here, fp32, 2 threads).
+They run only where they can and pay: :func:`fusable` is False with autograd recording (the fused primitive has no
+backward), under autocast, off CPU, for dtypes other than float32 / bfloat16, when oneDNN is switched off or the op
+is missing from the torch build, while ``torch.compile`` traces (Inductor fuses on its own), and for inputs of fewer
+than ``FUSED_MIN_ROWS`` rows: each call costs oneDNN ~35 us more than a plain matrix product, so for a batch-1
+decoder pass (15-45 rows x 256 -> 1024) the fused op is 30-60% slower than linear + add, and it only draws level
+from ~1,000 rows (measured here, fp32, 2 threads).
 Callers fall back to the plain ops.
 """
 
@@ -39,7 +40,8 @@ def fusable(x: Tensor, weight: Tensor) -> bool:
     """Whether the fused kernels apply to input ``x`` and ``weight`` now (see the module docstring)."""
     return (_OPS is not None and x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16)
             and weight.dtype == x.dtype and not torch.is_grad_enabled() and not torch.is_autocast_enabled("cpu")
-            and torch._C._get_mkldnn_enabled() and x.numel() >= FUSED_MIN_ROWS * x.shape[-1])
+            and x.numel() >= FUSED_MIN_ROWS * x.shape[-1] and not torch.compiler.is_compiling()
+            and torch._C._get_mkldnn_enabled())
 
 
 def linear_act(x: Tensor, weight: Tensor, bias: Tensor | None, act: str) -> Tensor:

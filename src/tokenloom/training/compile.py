@@ -8,8 +8,6 @@ option never stops a run. Compilation happens at the first step (seconds to a mi
 
 from __future__ import annotations
 
-import os
-import shutil
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -17,14 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-
-def compile_unavailable() -> str | None:
-    """Why ``torch.compile`` cannot run here, or None when it can."""
-    if not hasattr(torch, "compile"):
-        return "this torch has no torch.compile"
-    if not any(shutil.which(c) for c in filter(None, (os.environ.get("CXX"), "g++", "c++", "clang++"))):
-        return "no C++ compiler (g++, c++ or clang++; or $CXX) for Inductor's CPU kernels"
-    return None
+from ..compilation import compile_unavailable, first_line, from_compiler
 
 
 class CompiledForward:
@@ -47,20 +38,12 @@ class CompiledForward:
         try:
             return self.compiled(*args, **kwargs)
         except Exception as error:  # noqa: BLE001 — any compiler failure: fall back, never stop the run
-            if not _from_compiler(error):
+            if not from_compiler(error):
                 raise
-            first_line = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-            warnings.warn(f"train.compile: compiling the model failed ({first_line[:200]}); training eagerly",
+            warnings.warn(f"train.compile: compiling the model failed ({first_line(error)}); training eagerly",
                           stacklevel=2)
             self.compiled = None
             return self.model(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
-
-
-def _from_compiler(error: BaseException) -> bool:
-    """Whether an exception came out of TorchDynamo / Inductor (not the model's own code)."""
-    module = type(error).__module__ or ""
-    return module.startswith(("torch._dynamo", "torch._inductor", "torch.fx", "torch._subclasses")) or \
-        "BackendCompilerFailed" in type(error).__name__
