@@ -1,7 +1,7 @@
 """Training throughput: tokenloom GPT vs Hugging Face GPT2LMHeadModel of the same shape and weights.
 
-Each variant trains a fresh copy of the same initial weights with AdamW(lr=3e-4, torch's default
-fused/foreach choice) on the same random token batches. The loss is computed the same way for both
+Each variant trains a fresh copy of the same initial weights with fused AdamW(lr=3e-4) -- tokenloom's Trainer
+and Hugging Face Trainer's default (``adamw_torch_fused``) alike -- on the same random token batches. The loss is computed the same way for both
 models (logits, then ``F.cross_entropy``), so what differs is the model forward/backward only.
 tokens/s = batch * context / median step time over the timed steps (the median shrugs off bursts of
 load from other processes; the mean is printed too). Variants take turns across ``--repeats``.
@@ -66,7 +66,9 @@ def make_step(model: nn.Module, is_hf: bool, precision: str, lr: float = 3e-4,
     (tokenloom's default: a bf16 model with float32 master weights, as the Trainer does it); ``compiled``: the
     forward through the Trainer's ``train.compile`` wrapper (eager, with a warning, where it cannot compile)."""
     master = MasterWeights(model) if precision == "bf16" else None
-    opt = torch.optim.AdamW(master.masters if master else model.parameters(), lr=lr)
+    # fused AdamW on both sides: what tokenloom's Trainer runs and Hugging Face Trainer's default optimizer
+    # (``adamw_torch_fused`` with torch >= 2.8)
+    opt = torch.optim.AdamW(master.masters if master else model.parameters(), lr=lr, fused=True)
     if master:
         master.to_low()
     forward = logits_fn(CompiledForward(model) if compiled else model, is_hf)
