@@ -1,8 +1,9 @@
 """Training throughput: tokenloom GPT vs Hugging Face GPT2LMHeadModel of the same shape and weights.
 
 Each variant trains a fresh copy of the same initial weights with fused AdamW(lr=3e-4) -- tokenloom's Trainer
-and Hugging Face Trainer's default (``adamw_torch_fused``) alike -- on the same random token batches. The loss is computed the same way for both
-models (logits, then ``F.cross_entropy``), so what differs is the model forward/backward only.
+and Hugging Face Trainer's default (``adamw_torch_fused``) alike -- on the same random token batches. The loss
+is computed the same way for both models (logits, then ``F.cross_entropy``), so what differs is the model
+forward/backward only.
 tokens/s = batch * context / median step time over the timed steps (the median shrugs off bursts of
 load from other processes; the mean is printed too). Variants take turns across ``--repeats``.
 
