@@ -18,7 +18,9 @@ additive float mask broadcastable to (B, H, Tq, Tk), and out (B, H, Tq, D).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from contextvars import ContextVar
 
 import torch
 from torch import Tensor, nn
@@ -103,12 +105,11 @@ def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is
     return out, None
 
 
-@ATTENTION_BACKENDS.register("math")
-def math_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
-                   dropout_p: float, need_weights: bool) -> tuple[Tensor, Tensor | None]:
+def _scores(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
+    """Masked scaled scores (B, H, Tq, Tk) of q (B, H, Tq, D) against k (B, Hkv, Tk, D): grouped-query keys
+    repeated, the causal mask aligned to the last keys, a bool mask (True = may attend) or an additive one."""
     if q.shape[1] != k.shape[1]:  # grouped-query: each kv head serves H / Hkv query heads
-        rep = q.shape[1] // k.shape[1]
-        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, Tq, Tk)
     if is_causal and attn_mask is None:
         tq, tk = scores.shape[-2:]
@@ -119,9 +120,52 @@ def math_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is
             scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)
         else:
             scores = scores + attn_mask
-    probs = scores.float().softmax(dim=-1).to(q.dtype)
+    return scores
+
+
+def attention_probs(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
+    """The softmax attention probabilities (B, H, Tq, Tk), float32, of the q and k (and mask) a backend is
+    given: what the ``math`` backend returns as weights, and what :func:`capture_attention` records for any
+    backend (for ``performer`` / ``linformer``: the exact attention they approximate)."""
+    return _scores(q.float(), k.float(), attn_mask if attn_mask is None or attn_mask.dtype == torch.bool
+                   else attn_mask.float(), is_causal).softmax(dim=-1)
+
+
+@ATTENTION_BACKENDS.register("math")
+def math_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+                   dropout_p: float, need_weights: bool) -> tuple[Tensor, Tensor | None]:
+    if q.shape[1] != k.shape[1]:
+        v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    probs = _scores(q, k, attn_mask, is_causal).float().softmax(dim=-1).to(q.dtype)
     dropped = F.dropout(probs, p=dropout_p) if dropout_p > 0 else probs
     return dropped @ v, (probs if need_weights else None)
+
+
+# --- attention capture: probabilities recorded as data while any backend runs ---------------------------------------
+
+_CAPTURE: ContextVar[dict[int, list[Tensor]] | None] = ContextVar("tokenloom_attention_capture", default=None)
+
+
+@contextmanager
+def capture_attention_of(modules: list[nn.Module]) -> Iterator[dict[int, list[Tensor]]]:
+    """Within the block, every forward of one of ``modules`` (:class:`MultiHeadAttention`) appends the
+    attention probabilities of its q and k (:func:`attention_probs`, (B, H, Tq, Tk) float32) to
+    ``records[id(module)]``; nothing is stored on the modules, and other modules run untouched. The models'
+    one-token decode plans do not record (use a full forward). :func:`tokenloom.viz.capture_attention` is the
+    user-facing form."""
+    records: dict[int, list[Tensor]] = {id(m): [] for m in modules}
+    token = _CAPTURE.set(records)
+    try:
+        yield records
+    finally:
+        _CAPTURE.reset(token)
+
+
+def _record(module: nn.Module, q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool) -> None:
+    records = _CAPTURE.get()
+    if records is not None and id(module) in records:
+        with torch.no_grad():
+            records[id(module)].append(attention_probs(q.detach(), k.detach(), attn_mask, is_causal))
 
 
 class MultiHeadAttention(nn.Module):
@@ -191,6 +235,8 @@ class MultiHeadAttention(nn.Module):
             if B != Bm:  # fold groups of g rows into the query length: (Bm, H, g*T, D)
                 g = B // Bm
                 q = q.view(Bm, g, H, T, D).transpose(1, 2).reshape(Bm, H, g * T, D)
+                if _CAPTURE.get() is not None:
+                    _record(self, q, k, attn_mask, False)
                 dropout = self.dropout if self.training else 0.0
                 out, weights = self.backend(q, k, v, attn_mask, False, dropout, need_weights)
                 out = out.view(Bm, H, g, T, D).transpose(1, 2).reshape(B, H, T, D).transpose(1, 2).reshape(B, T, C)
@@ -217,6 +263,8 @@ class MultiHeadAttention(nn.Module):
                     v_buf[:, :, cache_pos:end] = v
                     k, v = k_buf[:, :, :end], v_buf[:, :, :end]
         dropout = self.dropout if self.training else 0.0
+        if _CAPTURE.get() is not None:
+            _record(self, q, k, attn_mask, is_causal)
         out, weights = self.backend(q, k, v, attn_mask, is_causal, dropout, need_weights)
         out = out.transpose(1, 2).reshape(B, T, C)  # (B, T, H*D)
         return self.project(out, residual), weights
@@ -241,6 +289,8 @@ class MultiHeadAttention(nn.Module):
                 .transpose(1, 2).split((H, Hkv, Hkv), 1)
             if rope is not None:
                 q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+        if _CAPTURE.get() is not None:
+            _record(self, q, k, attn_mask, is_causal)
         out, _ = self.backend(q, k, v, attn_mask, is_causal, 0.0, False)
         return linear_add(out.transpose(1, 2).reshape(B, T, C), self.out_proj.weight, self.out_proj.bias, residual)
 
