@@ -1,4 +1,5 @@
-"""``tokenloom train | generate | evaluate | translate | classify | distill | bench | import | export``.
+"""``tokenloom train | generate | evaluate | translate | classify | distill | bench | viz | report | import |
+export``.
 
 Errors a user can cause print one line (``error: ...``) and exit with status 2; Ctrl-C exits 130.
 """
@@ -187,6 +188,63 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     r.set_defaults(func=_run_in("bench", "bench_roofline"))
 
 
+def _add_viz(sub: argparse._SubParsersAction) -> None:
+    viz = sub.add_parser("viz", help="attention maps, causal-mask check and head diagnostics, training curves",
+                         description="Look inside a model: attention maps (any backend), checks, curves.")
+    kinds = viz.add_subparsers(dest="viz_command", metavar="WHAT", required=True)
+    a = kinds.add_parser("attention", help="attention maps as a PNG: heads grid, cross-attention alignment, "
+                                           "ViT rollout",
+                         description="Capture the attention of a GPT (--text), a translation model (--source; "
+                                     "--cross for the alignment) or a ViT (--image; --rollout) and plot it.")
+    a.add_argument("checkpoint", help="checkpoint or run directory")
+    a.add_argument("--text", help="GPT: the text to look at")
+    a.add_argument("--source", help="translation: the source sentence")
+    a.add_argument("--target", help="translation: the target (default: the model's greedy translation)")
+    a.add_argument("--cross", action="store_true", help="translation: cross-attention alignment (mean of heads)")
+    a.add_argument("--kind", choices=["encoder", "decoder", "cross"], default=None,
+                   help="translation: which attention (default: encoder; --cross = cross)")
+    a.add_argument("--image", help="ViT: an image file")
+    a.add_argument("--invert", action="store_true", help="ViT: invert the image (dark digits on light paper)")
+    a.add_argument("--rollout", action="store_true", help="ViT: attention rollout over all layers on the image")
+    a.add_argument("--layers", type=int, nargs="+", default=None, help="layer indices (default: all; cross: last)")
+    a.add_argument("--heads", type=int, nargs="+", default=None, help="head indices (default: all)")
+    a.add_argument("--too-long", choices=["error", "truncate"], default="error",
+                   help="text longer than the model's context: refuse (default) or keep the start")
+    a.add_argument("--out", default="attention.png", help="PNG to write (default attention.png)")
+    a.set_defaults(func=_run_in("viz", "attention"))
+    c = kinds.add_parser("check", help="causal-mask check and head diagnostics (table, JSON, PNG)",
+                         description="Check that no query attends to a later position (every causal layer, with "
+                                     "padding) and print per-head entropy and previous/first/diagonal mass with "
+                                     "flags for near-uniform and collapsed heads. Exit status 1 when the causal "
+                                     "check fails.")
+    c.add_argument("checkpoint", help="checkpoint or run directory")
+    c.add_argument("--text", help="GPT: text to run (default: a few lines of Shakespeare)")
+    c.add_argument("--source", help="translation: a source sentence")
+    c.add_argument("--image", help="ViT: an image file")
+    c.add_argument("--too-long", choices=["error", "truncate"], default="truncate")
+    c.add_argument("--out", default=None, help="folder for head-diagnostics.json and head-entropy-*.png")
+    c.set_defaults(func=_run_in("viz", "check"))
+    v = kinds.add_parser("curves", help="loss / learning rate / throughput of runs on shared axes (PNG)",
+                         description="Training curves of one or more run directories (their metrics.jsonl).")
+    v.add_argument("runs", nargs="+", help="run directories")
+    v.add_argument("--out", default="curves.png", help="PNG to write (default curves.png)")
+    v.set_defaults(func=_run_in("viz", "curves"))
+
+
+def _add_report(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("report", help="one self-contained report.html of a run (config, curves, samples, "
+                                      "metrics, attention)",
+                       description="Write one HTML file with every image inlined (readable offline): the run's "
+                                   "config, training curves, final metrics, samples and attention maps.")
+    p.add_argument("run", help="run directory (or checkpoint)")
+    p.add_argument("--out", default=None, help="HTML file (default: RUN/report.html)")
+    p.add_argument("--text", default=None, help="GPT: prompt for the samples and the attention maps")
+    p.add_argument("--source", default=None, help="translation: source sentence for the alignment")
+    p.add_argument("--image", default=None, help="ViT: an image for the attention rollout")
+    p.add_argument("--seed", type=int, default=0)
+    p.set_defaults(func=_run_in("report", "report"))
+
+
 _DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
 
 
@@ -265,6 +323,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_classify(sub)
     _add_distill(sub)
     _add_bench(sub)
+    _add_viz(sub)
+    _add_report(sub)
     _add_import(sub)
     _add_export(sub)
     return parser

@@ -291,6 +291,14 @@ def classify(model: nn.Module, paths: Sequence[str | Path], data: ImageDataConfi
     """Class probabilities (N, K) of image files, read as the model was trained: converted to its mode
     and size (with one warning; ``mismatch="error"`` refuses instead), optionally inverted (dark digits
     on light paper for an MNIST model), normalised with the checkpoint's mean/std."""
+    x = read_images(paths, data, mismatch=mismatch, invert=invert)
+    with torch.no_grad():
+        return predict(model, x).float().softmax(-1)
+
+
+def read_images(paths: Sequence[str | Path], data: ImageDataConfig | dict[str, Any], *, mismatch: str = "convert",
+                invert: bool = False) -> Tensor:
+    """Image files -> (N, C, H, W) normalised float32 model inputs, as :func:`classify` reads them."""
     from ..config import from_dict
 
     data = from_dict(ImageDataConfig, data, prefix="data") if isinstance(data, dict) else data
@@ -313,5 +321,4 @@ def classify(model: nn.Module, paths: Sequence[str | Path], data: ImageDataConfi
         x = 1 - x
     mean = torch.tensor(data.mean).view(1, -1, 1, 1)
     std = torch.tensor(data.std).view(1, -1, 1, 1)
-    with torch.no_grad():
-        return predict(model, (x - mean) / std).float().softmax(-1)
+    return (x - mean) / std

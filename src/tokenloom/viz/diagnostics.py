@@ -108,6 +108,7 @@ def head_diagnostics(probs: Tensor, layer: int = 0, query_mask: Tensor | None = 
     stats = {name: mean(x) for name, x in dict(entropy=entropy, normalized_entropy=normalized,
                                                max_prob=probs.amax(-1), previous_token=previous,
                                                first_token=first, diagonal=diagonal).items()}
+    back = index.view(1, 1, -1) - probs.argmax(-1)  # (B, H, Tq): how far back each row's top key lies
     out = []
     for h in range(H):
         values = {name: float(v[h]) for name, v in stats.items()}
@@ -115,8 +116,12 @@ def head_diagnostics(probs: Tensor, layer: int = 0, query_mask: Tensor | None = 
         if values["normalized_entropy"] >= UNIFORM_ENTROPY:
             flags.append("uniform")
         if values["max_prob"] >= COLLAPSED_MASS:
-            onto = [name for name in ("previous_token", "first_token", "diagonal") if values[name] >= COLLAPSED_MASS]
-            flags.append("collapsed" + (f" ({onto[0].replace('_', ' ')})" if onto else ""))
+            onto = [name.replace("_", " ") for name in ("previous_token", "first_token", "diagonal")
+                    if values[name] >= COLLAPSED_MASS]
+            if not onto and rows[:, h].any():  # the usual distance back of the top key, e.g. "2 back"
+                distance = int(back[:, h][rows[:, h]].mode().values)
+                onto = [f"{distance} back" if distance > 0 else f"{-distance} ahead"]
+            flags.append("collapsed" + (f" ({onto[0]})" if onto else ""))
         if not math.isfinite(values["entropy"]):
             flags.append("non-finite")
         out.append(HeadStats(layer=layer, head=h, flags=flags, **values))

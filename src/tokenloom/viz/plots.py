@@ -1,0 +1,172 @@
+"""PNG plots of attention and training (matplotlib with the file-only Agg backend, imported when drawing; a
+missing matplotlib is a one-line :class:`~tokenloom.errors.ConfigError` naming the ``viz`` extra).
+
+Every function takes tensors / lists already on the CPU, writes ``path`` and returns it.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from types import ModuleType
+
+from torch import Tensor
+
+from ..errors import ConfigError
+
+MAX_LABELS = 48  # token labels drawn on an axis at most (longer sequences: every k-th)
+
+
+def pyplot() -> ModuleType:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise ConfigError("plots need matplotlib: pip install 'tokenloom[viz]'") from err
+    return plt
+
+
+def _labels(ax, tokens: list[str] | None, axis: str, size: int) -> None:
+    if not tokens:
+        return
+    step = max(1, math.ceil(size / MAX_LABELS))
+    ticks = list(range(0, size, step))
+    shown = [repr(tokens[i])[1:-1] if i < len(tokens) else "" for i in ticks]
+    if axis == "x":
+        ax.set_xticks(ticks, shown, rotation=90, fontsize=6)
+    else:
+        ax.set_yticks(ticks, shown, fontsize=6)
+
+
+def plot_head_grid(maps: dict[int, Tensor], path: str | Path, query_tokens: list[str] | None = None,
+                   key_tokens: list[str] | None = None, title: str = "", heads: list[int] | None = None) -> Path:
+    """One row per layer (``maps``: layer -> (H, Tq, Tk) probabilities of one sequence), one column per head
+    (``heads``: a subset), token labels on the axes (queries down, keys across)."""
+    plt = pyplot()
+    layers = sorted(maps)
+    H = maps[layers[0]].shape[0]
+    heads = list(range(H)) if heads is None else heads
+    Tq, Tk = maps[layers[0]].shape[-2:]
+    cell = 1.6 + 0.05 * max(Tq, Tk)
+    fig, axes = plt.subplots(len(layers), len(heads), figsize=(cell * len(heads), cell * len(layers)),
+                             squeeze=False)
+    for r, layer in enumerate(layers):
+        for c, head in enumerate(heads):
+            ax = axes[r][c]
+            ax.imshow(maps[layer][head].float().numpy(), cmap="viridis", vmin=0.0, aspect="auto",
+                      interpolation="nearest")
+            ax.set_title(f"layer {layer} head {head}", fontsize=8)
+            ax.set_xticks([])
+            ax.set_yticks([])
+            if r == len(layers) - 1:
+                _labels(ax, key_tokens, "x", Tk)
+            if c == 0:
+                _labels(ax, query_tokens, "y", Tq)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    return _save(fig, plt, path)
+
+
+def plot_alignment(probs: Tensor, path: str | Path, source_tokens: list[str] | None = None,
+                   target_tokens: list[str] | None = None, title: str = "cross-attention") -> Path:
+    """A (Tt, Ts) cross-attention map (e.g. averaged over heads): target tokens down, source tokens across."""
+    plt = pyplot()
+    Tt, Ts = probs.shape
+    fig, ax = plt.subplots(figsize=(2 + 0.3 * Ts, 2 + 0.3 * Tt))
+    shown = ax.imshow(probs.float().numpy(), cmap="Greys", vmin=0.0, vmax=float(probs.max()), aspect="auto",
+                      interpolation="nearest")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    _labels(ax, source_tokens, "x", Ts)
+    _labels(ax, target_tokens, "y", Tt)
+    ax.set_xlabel("source")
+    ax.set_ylabel("target")
+    ax.set_title(title)
+    fig.colorbar(shown, ax=ax, fraction=0.046)
+    fig.tight_layout()
+    return _save(fig, plt, path)
+
+
+def plot_rollout(image: Tensor, heat: Tensor, path: str | Path, title: str = "attention rollout") -> Path:
+    """The image (C, H, W) or (H, W) beside it with the (gh, gw) rollout heat map overlaid (upsampled)."""
+    import torch.nn.functional as F
+
+    plt = pyplot()
+    img = image.float()
+    if img.dim() == 3:
+        img = img[0] if img.shape[0] == 1 else img.permute(1, 2, 0)
+    img = (img - img.min()) / (img.max() - img.min()).clamp(min=1e-8)
+    heat = heat.float()
+    up = F.interpolate(heat[None, None], size=img.shape[:2], mode="bilinear", align_corners=False)[0, 0]
+    fig, axes = plt.subplots(1, 2, figsize=(6, 3))
+    cmap = "gray" if img.dim() == 2 else None
+    axes[0].imshow(img.numpy(), cmap=cmap)
+    axes[0].set_title("image")
+    axes[1].imshow(img.numpy(), cmap=cmap)
+    axes[1].imshow(up.numpy(), cmap="jet", alpha=0.5)
+    axes[1].set_title(title)
+    for ax in axes:
+        ax.axis("off")
+    fig.tight_layout()
+    return _save(fig, plt, path)
+
+
+def plot_diagnostics(values: Tensor, path: str | Path, title: str = "normalised entropy per head") -> Path:
+    """A (layers, heads) table of one statistic as a heat map with the values written in."""
+    plt = pyplot()
+    L, H = values.shape
+    fig, ax = plt.subplots(figsize=(1.5 + 0.6 * H, 1.2 + 0.45 * L))
+    ax.imshow(values.float().numpy(), cmap="magma", vmin=0.0, vmax=1.0, aspect="auto")
+    for i in range(L):
+        for j in range(H):
+            ax.text(j, i, f"{float(values[i, j]):.2f}", ha="center", va="center", fontsize=7, color="cyan")
+    ax.set_xticks(range(H), [str(h) for h in range(H)])
+    ax.set_yticks(range(L), [str(i) for i in range(L)])
+    ax.set_xlabel("head")
+    ax.set_ylabel("layer")
+    ax.set_title(title)
+    fig.tight_layout()
+    return _save(fig, plt, path)
+
+
+CURVES = (("loss", ("loss", "val_loss")), ("learning rate", ("lr",)), ("tokens/s", ("tokens_per_s",)))
+
+
+def plot_curves(runs: dict[str, list[dict]], path: str | Path, x: str = "step") -> Path:
+    """Training curves of several runs on shared axes: loss (train solid, validation dashed), learning rate,
+    throughput; ``runs``: name -> the rows of its ``metrics.jsonl``. Panels no run logged are left out."""
+    plt = pyplot()
+    panels = [(label, keys) for label, keys in CURVES
+              if any(key in row for rows in runs.values() for row in rows for key in keys)]
+    if not panels:
+        raise ConfigError("no loss, lr or tokens_per_s values in the metrics of " + ", ".join(runs))
+    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    for ax, (label, keys) in zip(axes[0], panels, strict=True):
+        for n, (name, rows) in enumerate(runs.items()):
+            for key in keys:
+                points = [(row[x], row[key]) for row in rows if key in row and x in row]
+                if points:
+                    xs, ys = zip(*points, strict=True)
+                    ax.plot(xs, ys, color=colors[n % len(colors)], linestyle="--" if key.startswith("val_") else "-",
+                            marker="o" if key.startswith("val_") else None, markersize=3,
+                            label=f"{name} {key}" if len(keys) > 1 else name)
+        ax.set_xlabel(x)
+        ax.set_ylabel(label)
+        if label == "learning rate":
+            ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    return _save(fig, plt, path)
+
+
+def _save(fig, plt, path: str | Path) -> Path:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
