@@ -161,6 +161,12 @@ def capture_attention_of(modules: list[nn.Module]) -> Iterator[dict[int, list[Te
         _CAPTURE.reset(token)
 
 
+def _capturing() -> bool:
+    """Whether a capture is active (never while ``torch.compile`` traces: a compiled model is not captured, and
+    the context variable is not traceable)."""
+    return not torch.compiler.is_compiling() and _CAPTURE.get() is not None
+
+
 def _record(module: nn.Module, q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool) -> None:
     records = _CAPTURE.get()
     if records is not None and id(module) in records:
@@ -235,7 +241,7 @@ class MultiHeadAttention(nn.Module):
             if B != Bm:  # fold groups of g rows into the query length: (Bm, H, g*T, D)
                 g = B // Bm
                 q = q.view(Bm, g, H, T, D).transpose(1, 2).reshape(Bm, H, g * T, D)
-                if _CAPTURE.get() is not None:
+                if _capturing():
                     _record(self, q, k, attn_mask, False)
                 dropout = self.dropout if self.training else 0.0
                 out, weights = self.backend(q, k, v, attn_mask, False, dropout, need_weights)
@@ -263,7 +269,7 @@ class MultiHeadAttention(nn.Module):
                     v_buf[:, :, cache_pos:end] = v
                     k, v = k_buf[:, :, :end], v_buf[:, :, :end]
         dropout = self.dropout if self.training else 0.0
-        if _CAPTURE.get() is not None:
+        if _capturing():
             _record(self, q, k, attn_mask, is_causal)
         out, weights = self.backend(q, k, v, attn_mask, is_causal, dropout, need_weights)
         out = out.transpose(1, 2).reshape(B, T, C)  # (B, T, H*D)
@@ -289,7 +295,7 @@ class MultiHeadAttention(nn.Module):
                 .transpose(1, 2).split((H, Hkv, Hkv), 1)
             if rope is not None:
                 q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-        if _CAPTURE.get() is not None:
+        if _capturing():
             _record(self, q, k, attn_mask, is_causal)
         out, _ = self.backend(q, k, v, attn_mask, is_causal, 0.0, False)
         return linear_add(out.transpose(1, 2).reshape(B, T, C), self.out_proj.weight, self.out_proj.bias, residual)

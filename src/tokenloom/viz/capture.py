@@ -9,6 +9,9 @@ causal, ALiBi, T5) that the kernel is given (:func:`tokenloom.nn.attention.atten
 * ``encoder``, ``decoder``, ``cross``: an encoder-decoder's encoder and decoder self-attention and the
   decoder's cross-attention (rows: target positions, columns: source positions).
 
+One-token decode steps (the decode plans) and ``torch.compile``-d forwards are not captured: capture on a
+full eager forward (fused kernels and all).
+
 Example::
 
     with capture_attention(model, layers=[0, 3]) as maps:
