@@ -1,5 +1,5 @@
-"""``tokenloom train | generate | evaluate | translate | classify | distill | bench | viz | report | import |
-export``.
+"""``tokenloom train | generate | evaluate | translate | classify | distill | bench | viz | report | serve |
+import | export``.
 
 Errors a user can cause print one line (``error: ...``) and exit with status 2; Ctrl-C exits 130.
 """
@@ -245,6 +245,27 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run_in("report", "report"))
 
 
+def _add_serve(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server with continuous batching and a playground",
+                       description="Serve a checkpoint over HTTP: /v1/completions, /v1/chat/completions (language "
+                                   "models), /v1/translations (translation models), /v1/models, /health, /metrics, "
+                                   "and a playground page at /. Binds to 127.0.0.1 unless --host says otherwise.")
+    p.add_argument("checkpoint", help="checkpoint or run directory")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /metrics "
+                   "(or set TOKENLOOM_API_KEY)")
+    p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default 16)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
+    p.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens a request may ask")
+    p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
+    p.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request ends (504)")
+    p.add_argument("--model-name", default=None, help="the model id in the API (default: the run's name)")
+    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.set_defaults(func=_run_in("serve", "serve"))
+
+
 _DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
 
 
@@ -325,6 +346,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_bench(sub)
     _add_viz(sub)
     _add_report(sub)
+    _add_serve(sub)
     _add_import(sub)
     _add_export(sub)
     return parser

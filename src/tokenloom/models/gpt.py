@@ -251,6 +251,30 @@ class GPT(nn.Module):
             x, _ = block(x, attn_mask=mask, rope=rope, kv_cache=layers[i], cache_pos=pos)
         return self.lm_head(self.final_norm(x))[:, 0]
 
+    def ragged_step(self, input_ids: Tensor, lengths: Tensor, layers: list[tuple[Tensor, Tensor]]) -> Tensor:
+        """One eval-mode decode position for rows at different lengths (continuous batching): (B, 1) ids of
+        rows whose cached lengths are ``lengths`` (B,) -> (B, V) logits. ``layers`` holds each layer's cached
+        keys and values, (B, Hkv, M, D) each (row b's sequence at positions [0, lengths[b])); row b's new key
+        and value are written at ``lengths[b]``, which is also its position. The caller advances the lengths.
+        Positions added to the embeddings or rotating q/k work; a score bias (alibi, t5) is added per row."""
+        B = input_ids.shape[0]
+        positions = lengths.view(B, 1)
+        x = self.tok_embed(input_ids)  # (B, 1, C)
+        added = self.position.embed(positions)
+        if added is not None:
+            x = x + added
+        rope = self.position.rotary(positions)
+        S = int(lengths.max()) + 1
+        index = torch.arange(S, device=input_ids.device)
+        mask = additive_mask((index[None] <= positions)[:, None, None, :], x.dtype)  # (B, 1, 1, S)
+        if self._position_bias:
+            bias = self.position.bias(index, index)  # (1, H, S, S): row b's query sits at lengths[b]
+            if bias is not None:
+                mask = mask + bias[0, :, lengths].transpose(0, 1)[:, :, None, :].to(x.dtype)  # (B, H, 1, S)
+        for i, block in enumerate(self.blocks):
+            x, _ = block(x, attn_mask=mask, rope=rope, kv_cache=layers[i], cache_pos=positions)
+        return self.lm_head(self.final_norm(x))[:, 0]
+
     def _decode_plan(self, cache: KVCache) -> DecodePlan | bool:
         """Build the :class:`DecodePlan` bound to ``cache`` and keep it on ``cache.plan``; False (call the
         modules) when a submodule has forward hooks or a block has no ``inference_step``."""

@@ -225,6 +225,9 @@ class MultiHeadAttention(nn.Module):
         are written at ``cache_pos`` and attention runs over positions ``[0, cache_pos + T)``. With
         ``cache_pos`` a (T,) long tensor of positions (static shapes, for a compiled decode step) they are
         written there and attention runs over all S positions: ``attn_mask`` must hide those not yet written.
+        With ``cache_pos`` a (B, 1) tensor (T = 1; a server's batch of sequences at different lengths) row b
+        writes at its own position and attends over the first ``attn_mask.shape[-1]`` positions, the mask
+        hiding each row's unwritten ones.
 
         Cross-attention takes ``memory`` (Bm, S, C) or its keys and values ``memory_kv`` computed once by
         :meth:`memory_kv` (a decoder's cache). When ``x`` has ``B = Bm * g`` rows, each group of ``g``
@@ -259,7 +262,13 @@ class MultiHeadAttention(nn.Module):
                     attn_mask = attn_mask[..., :queries, :]
             if kv_cache is not None:
                 k_buf, v_buf = kv_cache
-                if isinstance(cache_pos, Tensor):  # static shapes: write at the (T,) positions, attend over all
+                if isinstance(cache_pos, Tensor) and cache_pos.dim() == 2:  # (B, 1): a position per row
+                    rows = torch.arange(B, device=k.device)
+                    k_buf[rows, :, cache_pos[:, 0]] = k[:, :, 0]
+                    v_buf[rows, :, cache_pos[:, 0]] = v[:, :, 0]
+                    S = attn_mask.shape[-1]  # the mask spans the keys to attend (the longest row + 1)
+                    k, v = k_buf[:, :, :S], v_buf[:, :, :S]
+                elif isinstance(cache_pos, Tensor):  # static shapes: write at the (T,) positions, attend over all
                     k_buf.index_copy_(2, cache_pos, k)
                     v_buf.index_copy_(2, cache_pos, v)
                     k, v = k_buf, v_buf

@@ -1,0 +1,419 @@
+"""The HTTP API (FastAPI): OpenAI-compatible completions and chat completions over the continuous-batching
+:class:`~tokenloom.serving.engine.Engine`, tokenloom's own ``/v1/translations`` for encoder-decoder and NAT
+models, ``/v1/models``, ``/health``, ``/metrics`` (Prometheus text) and the playground page at ``/``.
+
+Errors have OpenAI's JSON shape ``{"error": {"message", "type", "param", "code"}}``. Requests are read with a
+size limit; every field is checked for its type and range; nothing in a request names a file. This module
+needs the ``serve`` extra (fastapi, uvicorn).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import FastAPI
+from fastapi import Request as HTTPRequest
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+
+from ..generation.config import GenerationConfig
+from .engine import Engine, QueueFull, Request
+from .metrics import Metrics
+from .playground import PLAYGROUND_HTML
+
+
+@dataclass
+class ServeConfig:
+    """Server limits and settings (``tokenloom serve`` flags)."""
+
+    model_name: str
+    api_key: str | None = None
+    max_batch: int = 16
+    max_queue: int = 64
+    max_tokens: int = 1024  # the largest max_tokens a request may ask for
+    max_body_bytes: int = 1 << 20
+    max_prompts: int = 32  # prompts x n per request
+    request_timeout: float = 300.0  # seconds
+
+
+class APIError(Exception):
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+# --- request checking ---------------------------------------------------------------------------------------------
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None, required: bool = False) -> Any:
+    if name not in body or body[name] is None:
+        if required:
+            raise APIError(400, f"'{name}' is required", param=name, code="missing_field")
+        return default
+    value = body[name]
+    if isinstance(value, bool) and bool not in kinds:
+        raise APIError(400, f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, got a boolean", param=name,
+                       code="invalid_type")
+    if not isinstance(value, kinds):
+        raise APIError(400, f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, got "
+                            f"{type(value).__name__}", param=name, code="invalid_type")
+    return value
+
+
+def _number(body: dict, name: str, default: float, low: float, high: float, low_open: bool = False) -> float:
+    value = _field(body, name, (int, float), default)
+    if not (low < value <= high if low_open else low <= value <= high):
+        raise APIError(400, f"'{name}' must be in {'(' if low_open else '['}{low}, {high}], got {value}", param=name,
+                       code="invalid_value")
+    return float(value)
+
+
+def generation_settings(body: dict, config: ServeConfig, default_max_tokens: int = 16) -> dict[str, Any]:
+    """max_tokens, temperature, top_p, top_k, stop, n, seed of an OpenAI request, checked."""
+    max_tokens = _field(body, "max_tokens", (int,), None) or _field(body, "max_completion_tokens", (int,),
+                                                                    default_max_tokens)
+    if not 1 <= max_tokens <= config.max_tokens:
+        raise APIError(400, f"'max_tokens' must be in [1, {config.max_tokens}], got {max_tokens}", param="max_tokens",
+                       code="invalid_value")
+    stop = _field(body, "stop", (str, list), [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
+        raise APIError(400, "'stop' must be a non-empty string or a list of at most 4 of them", param="stop",
+                       code="invalid_value")
+    top_k = _field(body, "top_k", (int,), None)
+    if top_k is not None and top_k < 1:
+        raise APIError(400, f"'top_k' must be >= 1, got {top_k}", param="top_k", code="invalid_value")
+    n = _field(body, "n", (int,), 1)
+    if not 1 <= n <= config.max_prompts:
+        raise APIError(400, f"'n' must be in [1, {config.max_prompts}], got {n}", param="n", code="invalid_value")
+    seed = _field(body, "seed", (int,), None)
+    if seed is not None and seed < 0:
+        raise APIError(400, f"'seed' must be >= 0, got {seed}", param="seed", code="invalid_value")
+    return dict(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+                top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=top_k, stop=stop, n=n, seed=seed,
+                stream=bool(_field(body, "stream", (bool,), False)))
+
+
+def check_model(body: dict, config: ServeConfig) -> None:
+    name = _field(body, "model", (str,), None)
+    if name is not None and name != config.model_name:
+        raise APIError(404, f"the model '{name}' does not exist; this server serves '{config.model_name}'",
+                       param="model", code="model_not_found")
+
+
+# --- the app ------------------------------------------------------------------------------------------------------
+
+def create_app(model, tokenizer, config: ServeConfig):
+    """The FastAPI app serving ``model`` (GPT: completions; encoder-decoder or NAT: translations)."""
+    metrics = Metrics()
+    is_lm = hasattr(model, "ragged_step")
+    engine = Engine(model, tokenizer, config.max_batch, config.max_queue, on_step=metrics.on_step) if is_lm else None
+    translate_lock = asyncio.Lock()
+
+    from contextlib import asynccontextmanager
+
+    @asynccontextmanager
+    async def lifespan(_app):
+        if engine is not None:
+            engine.start()
+        yield
+        if engine is not None:
+            engine.stop()
+
+    app = FastAPI(title="tokenloom", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(APIError)
+    async def api_error(_request, error: APIError):
+        metrics.count_error(error.status)
+        return JSONResponse(error.body(), status_code=error.status)
+
+    @app.exception_handler(404)
+    async def not_found(request, _error):
+        return JSONResponse(APIError(404, f"no route {request.method} {request.url.path}", code="not_found").body(),
+                            status_code=404)
+
+    @app.exception_handler(405)
+    async def not_allowed(request, _error):
+        return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}",
+                                     code="method_not_allowed").body(), status_code=405)
+
+    @app.middleware("http")
+    async def guard(request: HTTPRequest, call_next):
+        path = request.url.path
+        if config.api_key is not None and (path.startswith("/v1/") or path == "/metrics"):
+            given = request.headers.get("authorization", "")
+            token = given[7:] if given.lower().startswith("bearer ") else ""
+            if not token:
+                return _error(401, "missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
+            if not hmac.compare_digest(token.encode(), config.api_key.encode()):
+                return _error(401, "incorrect API key", code="invalid_api_key")
+        length = request.headers.get("content-length")
+        if length is not None and (not length.isdigit() or int(length) > config.max_body_bytes):
+            return _error(413, f"request body over the server's limit of {config.max_body_bytes} bytes",
+                          code="body_too_large")
+        return await call_next(request)
+
+    def _error(status: int, message: str, code: str) -> JSONResponse:
+        metrics.count_error(status)
+        return JSONResponse(APIError(status, message, code=code).body(), status_code=status)
+
+    async def read_json(request: HTTPRequest) -> dict:
+        body = b""
+        async for chunk in request.stream():
+            body += chunk
+            if len(body) > config.max_body_bytes:
+                raise APIError(413, f"request body over the server's limit of {config.max_body_bytes} bytes",
+                               code="body_too_large")
+        try:
+            data = json.loads(body)
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise APIError(400, f"the body is not valid JSON ({err.msg if hasattr(err, 'msg') else err})",
+                           code="invalid_json") from None
+        if not isinstance(data, dict):
+            raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+        return data
+
+    @app.get("/", response_class=HTMLResponse)
+    async def playground():
+        return HTMLResponse(PLAYGROUND_HTML.replace("{{MODEL}}", config.model_name)
+                            .replace("{{KIND}}", "lm" if is_lm else "translation"))
+
+    @app.get("/health")
+    async def health():
+        return {"status": "ok", "model": config.model_name,
+                "active": engine.active if engine else 0, "queued": engine.queued if engine else 0}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
+                                            "owned_by": "tokenloom"}]}
+
+    @app.get("/metrics", response_class=PlainTextResponse)
+    async def prometheus():
+        return PlainTextResponse(metrics.render(engine, config.max_batch),
+                                 media_type="text/plain; version=0.0.4")
+
+    def encode(text: str, param: str) -> list[int]:
+        try:
+            ids = tokenizer.encode(text)
+        except Exception as err:  # noqa: BLE001 — a tokenizer error (characters outside a char vocabulary)
+            raise APIError(400, f"'{param}' cannot be encoded: {str(err).splitlines()[0]}", param=param,
+                           code="invalid_value") from None
+        if not ids:
+            raise APIError(400, f"'{param}' is empty after tokenization", param=param, code="invalid_value")
+        return ids
+
+    def make_requests(prompts: list[str], settings: dict, param: str) -> list[tuple[int, list[int], Request]]:
+        context = model.config.max_seq_len
+        out = []
+        for p, text in enumerate(prompts):
+            ids = encode(text, param)
+            if len(ids) >= context:
+                raise APIError(400, f"the prompt is {len(ids)} tokens; the model's context is {context} (prompt "
+                                    "plus at least one new token must fit)", param=param,
+                               code="context_length_exceeded")
+            for j in range(settings["n"]):
+                seed = settings["seed"] + j if settings["seed"] is not None else None
+                gen = GenerationConfig(max_new_tokens=settings["max_tokens"], temperature=settings["temperature"],
+                                       do_sample=settings["temperature"] > 0,
+                                       top_p=settings["top_p"] if settings["top_p"] < 1 else None,
+                                       top_k=settings["top_k"], seed=seed)
+                out.append((p * settings["n"] + j, ids, gen))
+        return out
+
+    async def run(jobs, settings) -> tuple[list[tuple[int, Request, asyncio.Queue]], float]:
+        loop = asyncio.get_running_loop()
+        started = []
+        deadline = time.monotonic() + config.request_timeout
+        try:
+            for index, ids, gen in jobs:
+                events: asyncio.Queue = asyncio.Queue()
+
+                def emit(event, events=events):
+                    loop.call_soon_threadsafe(events.put_nowait, event)
+
+                request = Request(ids, gen, emit, deadline=deadline, stop_strings=settings["stop"])
+                engine.submit(request)
+                started.append((index, request, events))
+        except QueueFull as err:
+            for _, request, _ in started:
+                request.cancel()
+            raise APIError(429, str(err), type_="rate_limit_error", code="queue_full") from None
+        return started, time.monotonic()
+
+    def usage(started) -> dict:
+        prompt = sum(len(r.prompt_ids) for _, r, _ in started)
+        completion = sum(len(r.new_ids) for _, r, _ in started)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    async def collect(started) -> list[tuple[int, str, str]]:
+        """(index, text, finish_reason) of every request, waiting for all."""
+        results = []
+        try:
+            for index, request, events in started:
+                text = []
+                while True:
+                    kind, value = await events.get()
+                    if kind == "delta":
+                        text.append(value)
+                    elif kind == "done":
+                        results.append((index, "".join(text), value))
+                        break
+                    else:
+                        raise APIError(504 if request.finish_reason == "timeout" else 500, value,
+                                       type_="server_error", code="timeout" if request.finish_reason == "timeout"
+                                       else "generation_failed")
+        finally:
+            for _, request, _ in started:
+                request.cancel()  # no-op for finished ones; frees the rest (an error, a cancelled handler)
+        return results
+
+    async def stream(started, chunk, final_usage: bool) -> AsyncIterator[bytes]:
+        """Server-sent events: one chunk per text delta, in order of arrival across the choices."""
+        pending = {index: (request, events) for index, request, events in started}
+        waiters = {index: asyncio.ensure_future(events.get()) for index, (_, events) in pending.items()}
+        try:
+            while waiters:
+                done, _ = await asyncio.wait(waiters.values(), return_when=asyncio.FIRST_COMPLETED)
+                for index in [i for i, w in waiters.items() if w in done]:
+                    kind, value = waiters.pop(index).result()
+                    request = pending[index][0]
+                    if kind == "delta":
+                        yield _sse(chunk(index, value, None))
+                        waiters[index] = asyncio.ensure_future(pending[index][1].get())
+                    elif kind == "done":
+                        yield _sse(chunk(index, "", value))
+                    else:
+                        yield _sse(APIError(504 if request.finish_reason == "timeout" else 500, value,
+                                            type_="server_error").body())
+            if final_usage:
+                yield _sse({**chunk(0, "", None), "choices": [], "usage": usage(started)})
+            yield b"data: [DONE]\n\n"
+        finally:
+            for w in waiters.values():
+                w.cancel()
+            for request, _ in pending.values():
+                request.cancel()  # a client that went away frees its rows at once
+
+    def require_lm(what: str) -> None:
+        if engine is None:
+            raise APIError(400, f"{what} needs a language model; this server serves a translation model: use "
+                                "POST /v1/translations", code="unsupported_model")
+
+    @app.post("/v1/completions")
+    async def completions(request: HTTPRequest):
+        require_lm("/v1/completions")
+        body = await read_json(request)
+        check_model(body, config)
+        prompt = _field(body, "prompt", (str, list), required=True)
+        prompts = [prompt] if isinstance(prompt, str) else prompt
+        if not prompts or not all(isinstance(p, str) for p in prompts):
+            raise APIError(400, "'prompt' must be a string or a non-empty list of strings", param="prompt",
+                           code="invalid_type")
+        settings = generation_settings(body, config)
+        if len(prompts) * settings["n"] > config.max_prompts:
+            raise APIError(400, f"{len(prompts)} prompts x n={settings['n']} exceeds the server's limit of "
+                                f"{config.max_prompts} completions per request", param="n", code="invalid_value")
+        jobs = make_requests(prompts, settings, "prompt")
+        started, _ = await run(jobs, settings)
+        metrics.count_request("completions")
+        rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def chunk(index, text, finish):
+            return {"id": rid, "object": "text_completion", "created": created, "model": config.model_name,
+                    "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
+
+        if settings["stream"]:
+            include = bool((body.get("stream_options") or {}).get("include_usage")) \
+                if isinstance(body.get("stream_options"), dict) else False
+            return StreamingResponse(metrics.timed(stream(started, chunk, include), started),
+                                     media_type="text/event-stream")
+        results = await metrics.timed_collect(collect(started), started)
+        return {"id": rid, "object": "text_completion", "created": created, "model": config.model_name,
+                "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
+                            for i, t, f in sorted(results)], "usage": usage(started)}
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: HTTPRequest):
+        require_lm("/v1/chat/completions")
+        body = await read_json(request)
+        check_model(body, config)
+        messages = _field(body, "messages", (list,), required=True)
+        if not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+            raise APIError(400, "'messages' must be a non-empty list of {role, content} objects with string "
+                                "content", param="messages", code="invalid_type")
+        prompt = "".join(m["content"] + "\n" for m in messages)  # no chat template: plain concatenation
+        settings = generation_settings(body, config, default_max_tokens=config.max_tokens)
+        settings["max_tokens"] = min(settings["max_tokens"], max(1, model.config.max_seq_len - len(
+            encode(prompt, "messages")) - 1))
+        jobs = make_requests([prompt], settings, "messages")
+        started, _ = await run(jobs, settings)
+        metrics.count_request("chat")
+        rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
+
+        def chunk(index, text, finish):
+            delta = {"role": "assistant", "content": text} if text or finish is None else {}
+            return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": config.model_name,
+                    "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+
+        if settings["stream"]:
+            return StreamingResponse(metrics.timed(stream(started, chunk, False), started),
+                                     media_type="text/event-stream")
+        results = await metrics.timed_collect(collect(started), started)
+        return {"id": rid, "object": "chat.completion", "created": created, "model": config.model_name,
+                "choices": [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": f}
+                            for i, t, f in sorted(results)], "usage": usage(started)}
+
+    @app.post("/v1/translations")
+    async def translations(request: HTTPRequest):
+        if engine is not None:
+            raise APIError(400, "/v1/translations needs an encoder-decoder or NAT model; this server serves a "
+                                "language model: use /v1/completions", code="unsupported_model")
+        body = await read_json(request)
+        check_model(body, config)
+        given = _field(body, "input", (str, list), required=True)
+        sources = [given] if isinstance(given, str) else given
+        if not sources or not all(isinstance(s, str) for s in sources) or len(sources) > 256:
+            raise APIError(400, "'input' must be a string or a list of 1-256 strings", param="input",
+                           code="invalid_type")
+        beam = _field(body, "beam", (int,), 1)
+        if not 1 <= beam <= 8:
+            raise APIError(400, f"'beam' must be in [1, 8], got {beam}", param="beam", code="invalid_value")
+        options = {} if hasattr(model, "decode_parallel") else {"beam": beam}
+        from ..errors import TokenloomError
+        from ..tasks.translation import translate
+
+        started = time.monotonic()
+        async with translate_lock:  # one translation batch at a time on the model
+            try:
+                out = await asyncio.get_running_loop().run_in_executor(
+                    None, lambda: _translate(translate, model, tokenizer, sources, options))
+            except TokenloomError as err:
+                raise APIError(400, str(err), param="input", code="invalid_value") from None
+        metrics.count_request("translations")
+        metrics.observe_latency(time.monotonic() - started)
+        return {"object": "list", "model": config.model_name,
+                "data": [{"index": i, "translation": t} for i, t in enumerate(out)]}
+
+    app.state.engine, app.state.metrics = engine, metrics
+    return app
+
+
+def _translate(translate, model, tokenizer, sources, options):
+    import torch
+
+    with torch.inference_mode():
+        return translate(model, tokenizer, sources, truncate=True, **options)
+
+
+def _sse(payload: dict) -> bytes:
+    return f"data: {json.dumps(payload)}\n\n".encode()

@@ -1,0 +1,276 @@
+"""Continuous batching for a GPT: one engine thread, requests joining and leaving the running batch between
+decode steps, over a slot-based preallocated KV cache.
+
+* The cache holds ``max_batch`` rows of the model's full context, per layer (B, Hkv, M, D) keys and values. The
+  running requests occupy rows ``0 .. A-1`` (kept contiguous: a finished request's row takes the last row's
+  contents), so a decode step runs on plain views of the first A rows, at each row's own length
+  (:meth:`tokenloom.models.GPT.ragged_step`).
+* A new request is prefilled alone (its prompt through the model with its own small cache, copied into a free
+  row) between two decode steps; its first token comes from the prefill.
+* Each request samples with its own settings and seeded generator (greedy = argmax), exactly as
+  :func:`tokenloom.generation.generate` does for one prompt, so greedy output equals offline generation.
+* Stop conditions per request: EOS, a stop string (the text is cut before it, as OpenAI does), ``max_tokens``,
+  the context full, a deadline (``timeout``), or cancellation (a client that went away): its row is freed
+  before the next step.
+* The queue of waiting requests is bounded: :meth:`Engine.submit` raises :class:`QueueFull` when it is full.
+
+Events reach the caller through ``request.emit(event)`` (called on the engine thread): ``("delta", text)`` as
+text becomes final, then ``("done", finish_reason)`` with finish_reason ``stop`` | ``length``, or
+``("error", message)`` (``timeout``, or a failure of the model).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from ..generation.config import GenerationConfig
+from ..generation.processors import create_processors
+
+
+class QueueFull(Exception):
+    """The engine's queue of waiting requests is full (HTTP 429)."""
+
+
+@dataclass
+class Request:
+    """One generation: prompt ids, settings, and the sink for its events."""
+
+    prompt_ids: list[int]
+    config: GenerationConfig
+    emit: Callable[[tuple], None]
+    deadline: float | None = None  # time.monotonic() after which it ends with a timeout error
+    stop_strings: list[str] = field(default_factory=list)
+    cancelled: bool = False
+    # filled in by the engine
+    new_ids: list[int] = field(default_factory=list)
+    sent_chars: int = 0  # characters of the new text already emitted
+    submitted: float = field(default_factory=time.monotonic)
+    first_token_at: float | None = None
+    finish_reason: str | None = None
+
+    def cancel(self) -> None:
+        """Called from any thread: the engine drops the request before its next step."""
+        self.cancelled = True
+
+
+@dataclass
+class _Slot:
+    request: Request
+    processors: object
+    generator: torch.Generator | None
+    last: int  # the last token, fed at the next step
+
+
+class Engine:
+    """Continuous batching over ``model`` (a GPT in eval mode) and ``tokenizer``; see the module docstring."""
+
+    def __init__(self, model, tokenizer, max_batch: int = 16, max_queue: int = 64,
+                 on_step: Callable[[int, int], None] | None = None) -> None:
+        self.model, self.tokenizer = model, tokenizer
+        self.max_batch, self.max_len = max_batch, model.config.max_seq_len
+        ref = model.tok_embed.weight
+        c = model.config
+        shape = (max_batch, c.num_kv_heads or c.num_heads, self.max_len, c.head_dim)
+        self.layers = [(torch.zeros(shape, dtype=ref.dtype), torch.zeros(shape, dtype=ref.dtype))
+                       for _ in range(c.num_layers)]
+        self.lengths = torch.zeros(max_batch, dtype=torch.long)  # cached positions per row
+        self.slots: list[_Slot] = []
+        self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
+        self.eos = getattr(tokenizer, "eos_id", None)
+        known = getattr(tokenizer, "vocab_size", None)
+        self.vocab_limit = known if isinstance(known, int) and known < c.vocab_size else None
+        self.on_step = on_step  # (active rows, tokens produced) after every step, for metrics
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="tokenloom-engine", daemon=True)
+
+    # --- lifecycle ----------------------------------------------------------------------------------------------
+
+    def start(self) -> Engine:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def submit(self, request: Request) -> None:
+        """Queue ``request``; :class:`QueueFull` when ``max_queue`` requests already wait."""
+        try:
+            self.waiting.put_nowait(request)
+        except queue.Full:
+            raise QueueFull(f"the server's queue is full ({self.waiting.maxsize} waiting requests); retry "
+                            "later") from None
+
+    @property
+    def active(self) -> int:
+        return len(self.slots)
+
+    @property
+    def queued(self) -> int:
+        return self.waiting.qsize()
+
+    # --- the loop -----------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        torch.set_grad_enabled(False)
+        with torch.inference_mode():
+            while not self._stop.is_set():
+                self._admit()
+                if not self.slots:
+                    try:
+                        request = self.waiting.get(timeout=0.05)
+                    except queue.Empty:
+                        continue
+                    self._start(request)
+                    continue
+                try:
+                    self._step()
+                except Exception as error:  # noqa: BLE001 — fail the running requests, keep serving
+                    for slot in self.slots:
+                        slot.request.emit(("error", f"generation failed: {error}"))
+                    self.slots.clear()
+
+    def _admit(self) -> None:
+        while len(self.slots) < self.max_batch:
+            try:
+                request = self.waiting.get_nowait()
+            except queue.Empty:
+                return
+            self._start(request)
+
+    def _start(self, request: Request) -> None:
+        """Prefill ``request`` into the next free row and emit its first token."""
+        if request.cancelled:
+            return
+        if request.deadline is not None and time.monotonic() > request.deadline:
+            request.finish_reason = "timeout"
+            request.emit(("error", "the request waited longer than the server's request timeout"))
+            return
+        if len(self.slots) >= self.max_batch:  # (only from _run's blocking get) the batch filled meanwhile
+            self.waiting.put(request)
+            return
+        try:
+            ids = torch.tensor([request.prompt_ids])
+            cache = self.model.create_cache(1, self.max_len)
+            logits = self.model(ids, cache=cache)[0, -1]  # (V,)
+        except Exception as error:  # noqa: BLE001
+            request.emit(("error", f"generation failed: {error}"))
+            return
+        row, T = len(self.slots), ids.shape[1]
+        for (k, v), i in zip(self.layers, range(len(self.layers)), strict=True):
+            k[row, :, :T] = cache.k[i, 0, :, :T]
+            v[row, :, :T] = cache.v[i, 0, :, :T]
+        self.lengths[row] = T
+        config = request.config
+        generator = None
+        if not config.greedy and config.seed is not None:
+            generator = torch.Generator().manual_seed(config.seed)
+        slot = _Slot(request, create_processors(config), generator, last=-1)
+        self.slots.append(slot)
+        token = self._choose(slot, logits[None])[0]
+        self._deliver([slot], [token])
+        if self.on_step is not None:
+            self.on_step(len(self.slots), 1)
+        self._release()
+
+    def _step(self) -> None:
+        A = len(self.slots)
+        tokens = torch.tensor([[s.last] for s in self.slots])  # (A, 1)
+        layers = [(k[:A], v[:A]) for k, v in self.layers]
+        logits = self.model.ragged_step(tokens, self.lengths[:A], layers)  # (A, V)
+        self.lengths[:A] += 1
+        chosen = self._choose_all(logits)
+        self._deliver(self.slots, chosen)
+        if self.on_step is not None:
+            self.on_step(A, A)
+        self._release()
+
+    def _choose_all(self, logits: Tensor) -> list[int]:
+        logits = logits.float()
+        if self.vocab_limit is not None:
+            logits[:, self.vocab_limit:] = float("-inf")
+        plain = [i for i, s in enumerate(self.slots) if s.request.config.greedy and not s.processors]
+        out = [0] * len(self.slots)
+        if plain:
+            best = logits[plain].argmax(-1).tolist()
+            for i, token in zip(plain, best, strict=True):
+                out[i] = token
+        for i, slot in enumerate(self.slots):
+            if not (slot.request.config.greedy and not slot.processors):
+                out[i] = self._choose(slot, logits[i:i + 1])[0]
+        return out
+
+    def _choose(self, slot: _Slot, scores: Tensor) -> list[int]:
+        """(1, V) scores -> the next token, as generate() chooses it for one row."""
+        scores = scores.float()
+        if self.vocab_limit is not None:
+            scores[:, self.vocab_limit:] = float("-inf")
+        request = slot.request
+        if slot.processors:
+            history = torch.tensor([request.prompt_ids + request.new_ids])
+            scores = slot.processors(history, scores)
+        if request.config.greedy:
+            return scores.argmax(-1).tolist()
+        return torch.multinomial(scores.softmax(-1), 1, generator=slot.generator)[:, 0].tolist()
+
+    def _deliver(self, slots: list[_Slot], tokens: list[int]) -> None:
+        now = time.monotonic()
+        for slot, token in zip(slots, tokens, strict=True):
+            request = slot.request
+            if request.finish_reason is not None:
+                continue
+            if request.first_token_at is None:
+                request.first_token_at = now
+            slot.last = token
+            reason = None
+            if self.eos is not None and token == self.eos:
+                reason = "stop"
+            else:
+                request.new_ids.append(token)
+            text = self.tokenizer.decode(request.new_ids)
+            cut = min((text.find(s) for s in request.stop_strings if s in text), default=-1)
+            if cut >= 0:
+                text, reason = text[:cut], "stop"
+            elif reason is None and len(request.new_ids) >= request.config.max_new_tokens:
+                reason = "length"
+            elif reason is None and len(request.prompt_ids) + len(request.new_ids) >= self.max_len:
+                reason = "length"  # the context is full
+            if reason is None:  # hold back what could still become a stop string, and a partial character
+                hold = max((len(s) - 1 for s in request.stop_strings), default=0)
+                text = text[:max(0, len(text) - hold)]
+                if text.endswith("\ufffd"):
+                    text = text[:-1]
+            if len(text) > request.sent_chars:
+                request.emit(("delta", text[request.sent_chars:]))
+                request.sent_chars = len(text)
+            if reason is not None:
+                request.finish_reason = reason
+                request.emit(("done", reason))
+            elif request.deadline is not None and now > request.deadline:
+                request.finish_reason = "timeout"
+                request.emit(("error", "the request took longer than the server's request timeout"))
+
+    def _release(self) -> None:
+        """Free the rows of finished and cancelled requests, moving the last rows into them."""
+        row = 0
+        while row < len(self.slots):
+            request = self.slots[row].request
+            if request.finish_reason is None and not request.cancelled:
+                row += 1
+                continue
+            last = len(self.slots) - 1
+            if row != last:
+                n = int(self.lengths[last])
+                for k, v in self.layers:
+                    k[row, :, :n] = k[last, :, :n]
+                    v[row, :, :n] = v[last, :, :n]
+                self.lengths[row] = self.lengths[last]
+                self.slots[row] = self.slots[last]
+            self.slots.pop()

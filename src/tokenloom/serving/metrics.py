@@ -1,0 +1,123 @@
+"""Server counters in the Prometheus text format (version 0.0.4), written by hand (no client library)."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import AsyncIterator, Awaitable
+
+BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
+
+
+class Histogram:
+    def __init__(self) -> None:
+        self.counts = [0] * len(BUCKETS)
+        self.total, self.n = 0.0, 0
+
+    def observe(self, value: float) -> None:
+        for i, edge in enumerate(BUCKETS):
+            if value <= edge:
+                self.counts[i] += 1
+        self.total += value
+        self.n += 1
+
+    def render(self, name: str, help_: str) -> list[str]:
+        lines = [f"# HELP {name} {help_}", f"# TYPE {name} histogram"]
+        for edge, count in zip(BUCKETS, self.counts, strict=True):
+            le = "+Inf" if edge == float("inf") else f"{edge:g}"
+            lines.append(f'{name}_bucket{{le="{le}"}} {count}')
+        lines += [f"{name}_sum {self.total:.6f}", f"{name}_count {self.n}"]
+        return lines
+
+
+class Metrics:
+    """Requests, errors, generated tokens, throughput over the last 10 s, latency and time-to-first-token
+    histograms; the engine's queue depth and batch occupancy are read when rendering."""
+
+    WINDOW = 10.0  # seconds of the tokens/s gauge
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests: dict[str, int] = {}
+        self.errors: dict[int, int] = {}
+        self.tokens = 0
+        self.steps = 0
+        self.recent: deque[tuple[float, int]] = deque()
+        self.latency, self.ttft = Histogram(), Histogram()
+
+    def on_step(self, active: int, tokens: int) -> None:  # engine thread
+        now = time.monotonic()
+        with self._lock:
+            self.tokens += tokens
+            self.steps += 1
+            self.recent.append((now, tokens))
+            while self.recent and self.recent[0][0] < now - self.WINDOW:
+                self.recent.popleft()
+
+    def count_request(self, endpoint: str) -> None:
+        with self._lock:
+            self.requests[endpoint] = self.requests.get(endpoint, 0) + 1
+
+    def count_error(self, status: int) -> None:
+        with self._lock:
+            self.errors[status] = self.errors.get(status, 0) + 1
+
+    def observe_latency(self, seconds: float) -> None:
+        with self._lock:
+            self.latency.observe(seconds)
+
+    def _finished(self, started, began: float) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self.latency.observe(now - began)
+            for _, request, _ in started:
+                if request.first_token_at is not None:
+                    self.ttft.observe(request.first_token_at - request.submitted)
+
+    async def timed(self, events: AsyncIterator[bytes], started) -> AsyncIterator[bytes]:
+        began = time.monotonic()
+        try:
+            async for item in events:
+                yield item
+        finally:
+            self._finished(started, began)
+
+    async def timed_collect(self, work: Awaitable, started):
+        began = time.monotonic()
+        try:
+            return await work
+        finally:
+            self._finished(started, began)
+
+    def render(self, engine, max_batch: int) -> str:
+        now = time.monotonic()
+        with self._lock:
+            recent = [n for t, n in self.recent if t >= now - self.WINDOW]
+            rate = sum(recent) / self.WINDOW
+            lines = ["# HELP tokenloom_requests_total Requests accepted, by endpoint.",
+                     "# TYPE tokenloom_requests_total counter"]
+            lines += [f'tokenloom_requests_total{{endpoint="{k}"}} {v}' for k, v in sorted(self.requests.items())]
+            lines += ["# HELP tokenloom_errors_total Error responses, by HTTP status.",
+                      "# TYPE tokenloom_errors_total counter"]
+            lines += [f'tokenloom_errors_total{{status="{k}"}} {v}' for k, v in sorted(self.errors.items())]
+            lines += ["# HELP tokenloom_tokens_generated_total Tokens generated.",
+                      "# TYPE tokenloom_tokens_generated_total counter",
+                      f"tokenloom_tokens_generated_total {self.tokens}",
+                      "# HELP tokenloom_decode_steps_total Engine steps (prefills and batched decode steps).",
+                      "# TYPE tokenloom_decode_steps_total counter", f"tokenloom_decode_steps_total {self.steps}",
+                      f"# HELP tokenloom_tokens_per_second Tokens generated per second over the last "
+                      f"{self.WINDOW:g} s.", "# TYPE tokenloom_tokens_per_second gauge",
+                      f"tokenloom_tokens_per_second {rate:.3f}"]
+            active = engine.active if engine is not None else 0
+            queued = engine.queued if engine is not None else 0
+            lines += ["# HELP tokenloom_queue_depth Requests waiting for a batch slot.",
+                      "# TYPE tokenloom_queue_depth gauge", f"tokenloom_queue_depth {queued}",
+                      "# HELP tokenloom_active_requests Requests in the running batch.",
+                      "# TYPE tokenloom_active_requests gauge", f"tokenloom_active_requests {active}",
+                      "# HELP tokenloom_batch_occupancy Running batch / its capacity.",
+                      "# TYPE tokenloom_batch_occupancy gauge", f"tokenloom_batch_occupancy {active / max_batch:.4f}"]
+            lines += self.latency.render("tokenloom_request_latency_seconds", "Time from request to its last byte.")
+            lines += self.ttft.render("tokenloom_time_to_first_token_seconds",
+                                      "Time from a request's arrival at the engine to its first token.")
+        return "\n".join(lines) + "\n"
