@@ -2,8 +2,6 @@
 
 import json
 import re
-import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
@@ -134,29 +132,23 @@ def test_viz_curves_of_two_runs(lm_run, tmp_path):
     assert_png(tmp_path / "c.png")
 
 
-def render_in_chromium(page: Path) -> tuple[str, str]:
-    """(DOM after load, browser log) of ``page`` in headless Chromium; skips where there is none."""
-    browser = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
-    if browser is None:
-        pytest.skip("no headless Chromium here (.ci/run installs Debian's chromium package; "
-                    "apt-get install chromium)")
-    done = subprocess.run([browser, "--headless=new", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr",
-                           "--v=0", "--virtual-time-budget=5000", "--dump-dom", page.resolve().as_uri()],
-                          capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr[-2000:]
-    return done.stdout, done.stderr
-
-
 def check_page(html_path: Path, sections: list[str]) -> None:
+    """The report loads nothing from elsewhere and renders in headless Chromium: every image decoded, every
+    section heading there, no console messages."""
+    from tests.browser import run_page
+
     page = html_path.read_text(encoding="utf-8")
     assert not re.search(r'(src|href)="(?!data:|#)', page), "the report must not load anything from elsewhere"
-    dom, log = render_in_chromium(html_path)
     images = page.count("<img ")
     assert images >= 1
-    assert f'data-images-ok="{images}"' in dom and f'data-images-total="{images}"' in dom, dom[:300]
-    assert "CONSOLE" not in log, [line for line in log.splitlines() if "CONSOLE" in line]
+    (ok, total, headings), console = run_page(
+        html_path.resolve().as_uri(),
+        ["document.body.dataset.imagesOk", "document.body.dataset.imagesTotal",
+         "Array.from(document.querySelectorAll('h2')).map((h) => h.textContent)"], wait_for_state=False)
+    assert (ok, total) == (str(images), str(images)), console
+    assert console == []
     for heading in sections:
-        assert f">{heading}</h2>" in dom
+        assert heading in headings
 
 
 def test_report_renders_in_the_browser(lm_run, capsys):

@@ -79,8 +79,9 @@ def _number(body: dict, name: str, default: float, low: float, high: float, low_
 
 def generation_settings(body: dict, config: ServeConfig, default_max_tokens: int = 16) -> dict[str, Any]:
     """max_tokens, temperature, top_p, top_k, stop, n, seed of an OpenAI request, checked."""
-    max_tokens = _field(body, "max_tokens", (int,), None) or _field(body, "max_completion_tokens", (int,),
-                                                                    default_max_tokens)
+    max_tokens = _field(body, "max_tokens", (int,), None)
+    if max_tokens is None:
+        max_tokens = _field(body, "max_completion_tokens", (int,), default_max_tokens)
     if not 1 <= max_tokens <= config.max_tokens:
         raise APIError(400, f"'max_tokens' must be in [1, {config.max_tokens}], got {max_tokens}", param="max_tokens",
                        code="invalid_value")

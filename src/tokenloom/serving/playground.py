@@ -1,13 +1,14 @@
 """The playground page served at ``/``: plain HTML and JavaScript, no external resources. It streams a
 completion (server-sent events over ``fetch``) or translates, with the sampling controls of the API.
 
-``/?autorun=1&prompt=...&max_tokens=...&temperature=0`` runs once on load (what the browser test uses); when a
-run ends the page sets ``<body data-state="done">`` (or ``error``) and the output is in ``#output``.
+``/?autorun=1&prompt=...&max_tokens=...&temperature=0`` runs once on load (what the browser test uses; an API
+key can ride in the fragment, ``#api_key=KEY``, which browsers never send); when a run ends the page sets
+``<body data-state="done">`` (or ``error``) and the output is in ``#output``.
 """
 
 PLAYGROUND_HTML = """<!DOCTYPE html>
 <html lang="en"><head><meta charset="utf-8"><meta name="viewport" content="width=device-width, initial-scale=1">
-<title>tokenloom playground: {{MODEL}}</title>
+<title>tokenloom playground: {{MODEL}}</title><link rel="icon" href="data:,">
 <style>
 body { font-family: system-ui, sans-serif; max-width: 52rem; margin: 2rem auto; padding: 0 1rem; color: #222; }
 textarea { width: 100%; min-height: 6rem; font-family: ui-monospace, monospace; }
@@ -26,7 +27,8 @@ button { padding: .4rem 1.2rem; margin: .6rem 0; }
 <label>top-k <input id="top_k" type="number" value="40" min="0"></label>
 <label>top-p <input id="top_p" type="number" value="1" step="0.05" min="0.05" max="1"></label>
 <label>seed <input id="seed" type="number" value="" min="0"></label>
-<label>API key <input id="api_key" type="password" size="12"></label>
+<form id="key_form" style="display: inline" onsubmit="return false"><label>API key <input id="api_key"
+ type="password" size="12" autocomplete="off"></label></form>
 </div>
 <button id="run">Generate</button> <span id="status" class="note"></span>
 <div id="output"></div>
@@ -102,6 +104,8 @@ async function run() {
 }
 $("run").addEventListener("click", run);
 const params = new URLSearchParams(location.search);
+const fragment = new URLSearchParams(location.hash.slice(1));  // #api_key=...: never sent to the server's logs
+if (fragment.has("api_key")) { $("api_key").value = fragment.get("api_key"); }
 for (const name of ["prompt", "max_tokens", "temperature", "top_k", "top_p", "seed"]) {
   if (params.has(name)) { $(name).value = params.get(name); }
 }

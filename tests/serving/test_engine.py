@@ -1,0 +1,103 @@
+"""The continuous-batching engine in process: rows joining and leaving between steps give offline results;
+the queue bound; cancellation; stop strings."""
+
+import threading
+
+import pytest
+import torch
+
+from tests.generation.helpers import small_model
+from tokenloom import GenerationConfig, generate
+from tokenloom.serving import Engine, QueueFull, Request
+
+
+class Letters:
+    """Token i is chr(97 + i); no EOS."""
+
+    eos_id = None
+    vocab_size = 40
+
+    def decode(self, ids):
+        return "".join(chr(97 + i) for i in ids)
+
+
+def run_all(engine, jobs):
+    """Submit (prompt ids, config, stop strings) jobs; wait; return (text, finish reason) per job."""
+    results = [None] * len(jobs)
+    done = threading.Event()
+    pending = [len(jobs)]
+    lock = threading.Lock()
+
+    def sink(i, texts):
+        def emit(event):
+            kind, value = event
+            if kind == "delta":
+                texts.append(value)
+                return
+            results[i] = ("".join(texts), value if kind == "done" else "error: " + value)
+            with lock:
+                pending[0] -= 1
+                if not pending[0]:
+                    done.set()
+        return emit
+
+    for i, (ids, config, stops) in enumerate(jobs):
+        engine.submit(Request(ids, config, sink(i, []), stop_strings=stops))
+    assert done.wait(60)
+    return results
+
+
+@pytest.mark.parametrize("position", ["learned", "rope", "alibi"])
+def test_requests_joining_and_leaving_the_batch_equal_offline_generation(position):
+    model = small_model(position=position)
+    engine = Engine(model, Letters(), max_batch=3, max_queue=16).start()  # 7 requests through 3 rows
+    try:
+        gen = torch.Generator().manual_seed(0)
+        jobs = []
+        for i in range(7):
+            ids = torch.randint(0, 40, (3 + i,), generator=gen).tolist()
+            sampled = i % 3 == 2
+            jobs.append((ids, GenerationConfig(max_new_tokens=5 + 3 * i, do_sample=sampled, temperature=0.9,
+                                               top_k=8 if sampled else None, seed=i), []))
+        results = run_all(engine, jobs)
+    finally:
+        engine.stop()
+    for (ids, config, _), (text, reason) in zip(jobs, results, strict=True):
+        out = generate(model, torch.tensor([ids]), config)[0, len(ids):].tolist()
+        assert text == Letters().decode(out) and reason == "length"
+
+
+def test_stop_strings_cut_the_text_before_them():
+    model = small_model()
+    ids = [1, 2, 3]
+    full = Letters().decode(generate(model, torch.tensor([ids]), GenerationConfig(max_new_tokens=20,
+                                                                                  do_sample=False))[0, 3:].tolist())
+    stop = full[6:8]
+    engine = Engine(model, Letters(), max_batch=2).start()
+    try:
+        [(text, reason)] = run_all(engine, [(ids, GenerationConfig(max_new_tokens=20, do_sample=False), [stop])])
+    finally:
+        engine.stop()
+    assert text == full[:full.find(stop)] and reason == "stop"
+
+
+def test_the_queue_is_bounded_and_cancelled_requests_are_skipped():
+    model = small_model()
+    engine = Engine(model, Letters(), max_batch=1, max_queue=2)  # not started: nothing leaves the queue
+    events = []
+    first = Request([1, 2], GenerationConfig(max_new_tokens=3, do_sample=False), events.append)
+    engine.submit(first)
+    engine.submit(Request([1], GenerationConfig(max_new_tokens=3, do_sample=False), events.append))
+    with pytest.raises(QueueFull, match="queue is full"):
+        engine.submit(Request([1], GenerationConfig(max_new_tokens=3, do_sample=False), events.append))
+    first.cancel()
+    engine.start()
+    try:
+        import time
+
+        deadline = time.monotonic() + 10
+        while not any(e[0] == "done" for e in events) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    finally:
+        engine.stop()
+    assert [e for e in events if e[0] == "done"] == [("done", "length")]  # only the second one ran
