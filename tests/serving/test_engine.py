@@ -101,3 +101,24 @@ def test_the_queue_is_bounded_and_cancelled_requests_are_skipped():
     finally:
         engine.stop()
     assert [e for e in events if e[0] == "done"] == [("done", "length")]  # only the second one ran
+
+
+@pytest.mark.parametrize("position", ["learned", "sinusoidal", "rope", "alibi", "t5", "none"])
+@pytest.mark.parametrize("kv_heads", [None, 2])
+def test_ragged_step_equals_the_uncached_forward_for_rows_of_different_lengths(position, kv_heads):
+    model = small_model(position=position, num_kv_heads=kv_heads)
+    seqs = [torch.randint(0, 40, (n,)) for n in (7, 3, 11)]
+    kv = torch.zeros(2, 2, 3, kv_heads or 4, 20, 8)  # (L, 2, rows, Hkv, M, D)
+    with torch.no_grad():
+        for b, s in enumerate(seqs):  # every row prefilled with all but its last token
+            cache = model.create_cache(1, 20)
+            model(s[None, :-1], cache=cache)
+            kv[:, :, b] = cache.kv[:, :, 0]
+        lengths = torch.tensor([len(s) - 1 for s in seqs])
+        last = torch.stack([s[-1] for s in seqs])[:, None]
+        reference = torch.stack([model(s[None])[0, -1] for s in seqs])
+        modules = model.ragged_step(last, lengths, kv.clone())
+        plain = kv.clone()
+        planned = model.ragged_step(last, lengths, plain, model.ragged_plan(plain))
+    torch.testing.assert_close(modules, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(planned, reference, rtol=1e-5, atol=1e-5)

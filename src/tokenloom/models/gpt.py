@@ -251,28 +251,51 @@ class GPT(nn.Module):
             x, _ = block(x, attn_mask=mask, rope=rope, kv_cache=layers[i], cache_pos=pos)
         return self.lm_head(self.final_norm(x))[:, 0]
 
-    def ragged_step(self, input_ids: Tensor, lengths: Tensor, layers: list[tuple[Tensor, Tensor]]) -> Tensor:
+    def ragged_plan(self, kv: Tensor) -> DecodePlan | None:
+        """The plain step functions of :meth:`ragged_step` over ``kv`` (L, 2, B, Hkv, M, D) (e.g. the first B
+        rows of a server's cache); None when forward hooks watch the modules (call the modules then)."""
+        if has_forward_hooks(self):
+            return None
+        steps = [block.inference_step(kv[i]) for i, block in enumerate(self.blocks)]
+        if None in steps:
+            return None
+        head = self.lm_head
+        return DecodePlan(steps=steps, final_norm=inference_function(self.final_norm),
+                          embed=partial(torch.embedding, self.tok_embed.weight),
+                          head=decode_linear(head.weight, head.bias, rows=kv.shape[2]))
+
+    def ragged_step(self, input_ids: Tensor, lengths: Tensor, kv: Tensor, plan: DecodePlan | None = None) -> Tensor:
         """One eval-mode decode position for rows at different lengths (continuous batching): (B, 1) ids of
-        rows whose cached lengths are ``lengths`` (B,) -> (B, V) logits. ``layers`` holds each layer's cached
-        keys and values, (B, Hkv, M, D) each (row b's sequence at positions [0, lengths[b])); row b's new key
-        and value are written at ``lengths[b]``, which is also its position. The caller advances the lengths.
-        Positions added to the embeddings or rotating q/k work; a score bias (alibi, t5) is added per row."""
+        rows whose cached lengths are ``lengths`` (B,) -> (B, V) logits. ``kv`` (L, 2, B, Hkv, M, D) holds the
+        rows' cached keys and values (row b's sequence at positions [0, lengths[b])); row b's new key and value
+        are written at ``lengths[b]``, which is also its position. The caller advances the lengths. ``plan``
+        (:meth:`ragged_plan` over the same ``kv``) runs the steps as plain functions; without it the modules
+        are called. Positions added to the embeddings or rotating q/k work; a score bias (alibi, t5) is added
+        per row."""
         B = input_ids.shape[0]
         positions = lengths.view(B, 1)
-        x = self.tok_embed(input_ids)  # (B, 1, C)
-        added = self.position.embed(positions)
-        if added is not None:
-            x = x + added
-        rope = self.position.rotary(positions)
         S = int(lengths.max()) + 1
         index = torch.arange(S, device=input_ids.device)
-        mask = additive_mask((index[None] <= positions)[:, None, None, :], x.dtype)  # (B, 1, 1, S)
+        dtype = self.tok_embed.weight.dtype
+        mask = additive_mask((index[None] <= positions)[:, None, None, :], dtype)  # (B, 1, 1, S)
         if self._position_bias:
             bias = self.position.bias(index, index)  # (1, H, S, S): row b's query sits at lengths[b]
             if bias is not None:
-                mask = mask + bias[0, :, lengths].transpose(0, 1)[:, :, None, :].to(x.dtype)  # (B, H, 1, S)
+                mask = mask + bias[0, :, lengths].transpose(0, 1)[:, :, None, :].to(dtype)  # (B, H, 1, S)
+        rope = self.position.rotary(positions)
+        added = self.position.embed(positions)
+        if plan is not None:
+            x = plan.embed(input_ids[:, 0])  # (B, C)
+            if added is not None:
+                x = x + added[:, 0]
+            for step in plan.steps:
+                x = step(x, positions, mask, rope)
+            return plan.head(plan.final_norm(x))
+        x = self.tok_embed(input_ids)  # (B, 1, C)
+        if added is not None:
+            x = x + added
         for i, block in enumerate(self.blocks):
-            x, _ = block(x, attn_mask=mask, rope=rope, kv_cache=layers[i], cache_pos=positions)
+            x, _ = block(x, attn_mask=mask, rope=rope, kv_cache=(kv[i, 0], kv[i, 1]), cache_pos=positions)
         return self.lm_head(self.final_norm(x))[:, 0]
 
     def _decode_plan(self, cache: KVCache) -> DecodePlan | bool:

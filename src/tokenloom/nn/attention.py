@@ -94,6 +94,18 @@ def explicit_training(q: Tensor, keys: int) -> bool:
         q.dtype == torch.bfloat16 or keys <= EXPLICIT_TRAINING_MAX_KEYS)
 
 
+def _masked_one_query(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor) -> Tensor:
+    """Exact attention of one query per (row, head) under an additive mask (B, 1|H, 1, S): q (B, H, 1, D), k and
+    v (B, H, S, D) slices of a cache -> (B, H, 1, D), as ``baddbmm`` (mask + scaled scores in one product) +
+    softmax + ``bmm``: on CPU ~25% faster than the fused kernel with a mask (16 rows x 6 heads x 64, 60-250
+    keys: 120 vs 180 us, 493 vs 588 us), the same to float rounding."""
+    B, H, S, D = k.shape
+    bias = attn_mask.expand(B, H, 1, S).reshape(B * H, 1, S).to(q.dtype)
+    scores = torch.baddbmm(bias, q.reshape(B * H, 1, D), k.reshape(B * H, S, D).transpose(1, 2),
+                           alpha=1.0 / math.sqrt(D))  # (BH, 1, S)
+    return torch.bmm(scores.softmax(-1), v.reshape(B * H, S, D)).view(B, H, 1, D)
+
+
 @ATTENTION_BACKENDS.register("sdpa")
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
                    dropout_p: float, need_weights: bool) -> tuple[Tensor, None]:
@@ -329,7 +341,9 @@ class MultiHeadAttention(nn.Module):
 
             step(x (B, C), pos, attn_mask (B|1, H|1, 1, pos + 1) | None, rope) -> (B, C)
 
-        writes the new key and value at ``pos`` and attends over positions ``[0, pos]``.
+        writes the new key and value at ``pos`` and attends over positions ``[0, pos]``. With ``pos`` a (B, 1)
+        tensor (rows at different lengths), row b writes at ``pos[b]`` and attends over the first
+        ``attn_mask.shape[-1]`` positions, the mask (B, 1|H, 1, S) hiding each row's later ones.
         """
         if self.cross:
             raise ValueError("inference_step is for self-attention")
@@ -341,10 +355,22 @@ class MultiHeadAttention(nn.Module):
         qkv_linear = decode_linear(w_in, b_in, rows=kv.shape[1])
         out_linear = decode_linear(w_out, b_out, rows=kv.shape[1])
 
-        def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+        def step(x: Tensor, pos: int | Tensor, attn_mask: Tensor | None,
+                 rope: tuple[Tensor, Tensor] | None) -> Tensor:
             B = x.shape[0]
-            end = pos + 1
             qkv = qkv_linear(x).view(B, H + 2 * Hkv, 1, D)  # (B, H + 2Hkv, T=1, D): no transpose
+            if isinstance(pos, Tensor):  # (B, 1): rows at different lengths (a server's running batch)
+                qk = qkv[:, :H + Hkv] if rope is None else apply_rotary(qkv[:, :H + Hkv], *rope)
+                rows = torch.arange(B, device=x.device)
+                k_buf[rows, :, pos[:, 0]] = qk[:, H:, 0]
+                v_buf[rows, :, pos[:, 0]] = qkv[:, H + Hkv:, 0]
+                S = attn_mask.shape[-1]  # the mask hides each row's positions past its own
+                if backend is sdpa_attention and Hkv == H and x.device.type == "cpu":
+                    out = _masked_one_query(qk[:, :H], k_buf[:, :, :S], v_buf[:, :, :S], attn_mask)
+                else:
+                    out, _ = backend(qk[:, :H], k_buf[:, :, :S], v_buf[:, :, :S], attn_mask, False, 0.0, False)
+                return out_linear(out.reshape(B, H * D))
+            end = pos + 1
             if rope is None:
                 q = qkv[:, :H]
                 kv[:, :, :, pos:end] = qkv[:, H:].view(B, 2, Hkv, 1, D).transpose(0, 1)  # (2, B, Hkv, 1, D)

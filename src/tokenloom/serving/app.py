@@ -281,6 +281,26 @@ def create_app(model, tokenizer, config: ServeConfig):
     async def stream(started, chunk, final_usage: bool) -> AsyncIterator[bytes]:
         """Server-sent events: one chunk per text delta, in order of arrival across the choices."""
         pending = {index: (request, events) for index, request, events in started}
+        if len(started) == 1:  # one choice (the common case): await its queue directly, no task per event
+            index, request, events = started[0]
+            try:
+                while True:
+                    kind, value = await events.get()
+                    if kind == "delta":
+                        yield _sse(chunk(index, value, None))
+                        continue
+                    if kind == "done":
+                        yield _sse(chunk(index, "", value))
+                    else:
+                        yield _sse(APIError(504 if request.finish_reason == "timeout" else 500, value,
+                                            type_="server_error").body())
+                    break
+                if final_usage:
+                    yield _sse({**chunk(0, "", None), "choices": [], "usage": usage(started)})
+                yield b"data: [DONE]\n\n"
+            finally:
+                request.cancel()  # a client that went away frees its row at once
+            return
         waiters = {index: asyncio.ensure_future(events.get()) for index, (_, events) in pending.items()}
         try:
             while waiters:
@@ -417,4 +437,4 @@ def _translate(translate, model, tokenizer, sources, options):
 
 
 def _sse(payload: dict) -> bytes:
-    return f"data: {json.dumps(payload)}\n\n".encode()
+    return b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n"

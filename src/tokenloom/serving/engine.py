@@ -77,9 +77,10 @@ class Engine:
         self.max_batch, self.max_len = max_batch, model.config.max_seq_len
         ref = model.tok_embed.weight
         c = model.config
-        shape = (max_batch, c.num_kv_heads or c.num_heads, self.max_len, c.head_dim)
-        self.layers = [(torch.zeros(shape, dtype=ref.dtype), torch.zeros(shape, dtype=ref.dtype))
-                       for _ in range(c.num_layers)]
+        # (L, 2, rows, Hkv, M, D): every layer's keys and values for max_batch rows of the full context
+        self.kv = torch.zeros((c.num_layers, 2, max_batch, c.num_kv_heads or c.num_heads, self.max_len, c.head_dim),
+                              dtype=ref.dtype)
+        self.plans: dict[int, object] = {}  # running rows -> the model's step functions over kv[:, :, :rows]
         self.lengths = torch.zeros(max_batch, dtype=torch.long)  # cached positions per row
         self.slots: list[_Slot] = []
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
@@ -164,9 +165,7 @@ class Engine:
             request.emit(("error", f"generation failed: {error}"))
             return
         row, T = len(self.slots), ids.shape[1]
-        for (k, v), i in zip(self.layers, range(len(self.layers)), strict=True):
-            k[row, :, :T] = cache.k[i, 0, :, :T]
-            v[row, :, :T] = cache.v[i, 0, :, :T]
+        self.kv[:, :, row, :, :T] = cache.kv[:, :, 0, :, :T]
         self.lengths[row] = T
         config = request.config
         generator = None
@@ -183,8 +182,10 @@ class Engine:
     def _step(self) -> None:
         A = len(self.slots)
         tokens = torch.tensor([[s.last] for s in self.slots])  # (A, 1)
-        layers = [(k[:A], v[:A]) for k, v in self.layers]
-        logits = self.model.ragged_step(tokens, self.lengths[:A], layers)  # (A, V)
+        kv = self.kv[:, :, :A]
+        if A not in self.plans:
+            self.plans[A] = self.model.ragged_plan(kv)
+        logits = self.model.ragged_step(tokens, self.lengths[:A], kv, self.plans[A])  # (A, V)
         self.lengths[:A] += 1
         chosen = self._choose_all(logits)
         self._deliver(self.slots, chosen)
@@ -268,9 +269,7 @@ class Engine:
             last = len(self.slots) - 1
             if row != last:
                 n = int(self.lengths[last])
-                for k, v in self.layers:
-                    k[row, :, :n] = k[last, :, :n]
-                    v[row, :, :n] = v[last, :, :n]
+                self.kv[:, :, row, :, :n] = self.kv[:, :, last, :, :n]
                 self.lengths[row] = self.lengths[last]
                 self.slots[row] = self.slots[last]
             self.slots.pop()
