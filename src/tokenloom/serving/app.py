@@ -117,13 +117,20 @@ def create_app(model, tokenizer, config: ServeConfig):
     """The FastAPI app serving ``model`` (GPT: completions; encoder-decoder or NAT: translations)."""
     metrics = Metrics()
     is_lm = hasattr(model, "ragged_step")
-    engine = Engine(model, tokenizer, config.max_batch, config.max_queue, on_step=metrics.on_step) if is_lm else None
+    loop_box: list[asyncio.AbstractEventLoop] = []
+
+    def dispatch(events: list) -> None:  # engine thread: one wake-up of the event loop per step
+        loop_box[0].call_soon_threadsafe(_deliver_all, events)
+
+    engine = Engine(model, tokenizer, config.max_batch, config.max_queue, on_step=metrics.on_step,
+                    dispatch=dispatch) if is_lm else None
     translate_lock = asyncio.Lock()
 
     from contextlib import asynccontextmanager
 
     @asynccontextmanager
     async def lifespan(_app):
+        loop_box.append(asyncio.get_running_loop())
         if engine is not None:
             engine.start()
         yield
@@ -232,17 +239,13 @@ def create_app(model, tokenizer, config: ServeConfig):
         return out
 
     async def run(jobs, settings) -> tuple[list[tuple[int, Request, asyncio.Queue]], float]:
-        loop = asyncio.get_running_loop()
         started = []
         deadline = time.monotonic() + config.request_timeout
         try:
             for index, ids, gen in jobs:
                 events: asyncio.Queue = asyncio.Queue()
-
-                def emit(event, events=events):
-                    loop.call_soon_threadsafe(events.put_nowait, event)
-
-                request = Request(ids, gen, emit, deadline=deadline, stop_strings=settings["stop"])
+                # put_nowait runs on this loop: the engine hands its events over through dispatch()
+                request = Request(ids, gen, events.put_nowait, deadline=deadline, stop_strings=settings["stop"])
                 engine.submit(request)
                 started.append((index, request, events))
         except QueueFull as err:
@@ -434,6 +437,11 @@ def _translate(translate, model, tokenizer, sources, options):
 
     with torch.inference_mode():
         return translate(model, tokenizer, sources, truncate=True, **options)
+
+
+def _deliver_all(events: list) -> None:
+    for emit, event in events:
+        emit(event)
 
 
 def _sse(payload: dict) -> bytes:

@@ -14,8 +14,9 @@ decode steps, over a slot-based preallocated KV cache.
   before the next step.
 * The queue of waiting requests is bounded: :meth:`Engine.submit` raises :class:`QueueFull` when it is full.
 
-Events reach the caller through ``request.emit(event)`` (called on the engine thread): ``("delta", text)`` as
-text becomes final, then ``("done", finish_reason)`` with finish_reason ``stop`` | ``length``, or
+Events reach the caller through ``request.emit(event)``, called on the engine thread, or, with a ``dispatch``
+function, handed over once per step as a list of ``(emit, event)`` pairs (a server's event loop calls them):
+``("delta", text)`` as text becomes final, then ``("done", finish_reason)`` with finish_reason ``stop`` | ``length``, or
 ``("error", message)`` (``timeout``, or a failure of the model).
 """
 
@@ -72,7 +73,8 @@ class Engine:
     """Continuous batching over ``model`` (a GPT in eval mode) and ``tokenizer``; see the module docstring."""
 
     def __init__(self, model, tokenizer, max_batch: int = 16, max_queue: int = 64,
-                 on_step: Callable[[int, int], None] | None = None) -> None:
+                 on_step: Callable[[int, int], None] | None = None,
+                 dispatch: Callable[[list[tuple[Callable, tuple]]], None] | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_len = max_batch, model.config.max_seq_len
         ref = model.tok_embed.weight
@@ -88,6 +90,10 @@ class Engine:
         known = getattr(tokenizer, "vocab_size", None)
         self.vocab_limit = known if isinstance(known, int) and known < c.vocab_size else None
         self.on_step = on_step  # (active rows, tokens produced) after every step, for metrics
+        # dispatch: hands one step's events, [(request.emit, event), ...], to the consumer at once (a server's event
+        # loop: one wake-up per step instead of one per request); None: each emit is called directly
+        self.dispatch = dispatch
+        self._events: list[tuple[Callable, tuple]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tokenloom-engine", daemon=True)
 
@@ -135,7 +141,8 @@ class Engine:
                     self._step()
                 except Exception as error:  # noqa: BLE001 — fail the running requests, keep serving
                     for slot in self.slots:
-                        slot.request.emit(("error", f"generation failed: {error}"))
+                        self._emit(slot.request, ("error", f"generation failed: {error}"))
+                    self._flush()
                     self.slots.clear()
 
     def _admit(self) -> None:
@@ -152,7 +159,8 @@ class Engine:
             return
         if request.deadline is not None and time.monotonic() > request.deadline:
             request.finish_reason = "timeout"
-            request.emit(("error", "the request waited longer than the server's request timeout"))
+            self._emit(request, ("error", "the request waited longer than the server's request timeout"))
+            self._flush()
             return
         if len(self.slots) >= self.max_batch:  # (only from _run's blocking get) the batch filled meanwhile
             self.waiting.put(request)
@@ -162,7 +170,8 @@ class Engine:
             cache = self.model.create_cache(1, self.max_len)
             logits = self.model(ids, cache=cache)[0, -1]  # (V,)
         except Exception as error:  # noqa: BLE001
-            request.emit(("error", f"generation failed: {error}"))
+            self._emit(request, ("error", f"generation failed: {error}"))
+            self._flush()
             return
         row, T = len(self.slots), ids.shape[1]
         self.kv[:, :, row, :, :T] = cache.kv[:, :, 0, :, :T]
@@ -249,17 +258,30 @@ class Engine:
                 if text.endswith("\ufffd"):
                     text = text[:-1]
             if len(text) > request.sent_chars:
-                request.emit(("delta", text[request.sent_chars:]))
+                self._emit(request, ("delta", text[request.sent_chars:]))
                 request.sent_chars = len(text)
             if reason is not None:
                 request.finish_reason = reason
-                request.emit(("done", reason))
+                self._emit(request, ("done", reason))
             elif request.deadline is not None and now > request.deadline:
                 request.finish_reason = "timeout"
-                request.emit(("error", "the request took longer than the server's request timeout"))
+                self._emit(request, ("error", "the request took longer than the server's request timeout"))
+
+    def _emit(self, request: Request, event: tuple) -> None:
+        if self.dispatch is None:
+            request.emit(event)
+        else:
+            self._events.append((request.emit, event))
+
+    def _flush(self) -> None:
+        if self._events:
+            events, self._events = self._events, []
+            self.dispatch(events)
 
     def _release(self) -> None:
-        """Free the rows of finished and cancelled requests, moving the last rows into them."""
+        """Hand over the step's events; free the rows of finished and cancelled requests, moving the last rows
+        into them."""
+        self._flush()
         row = 0
         while row < len(self.slots):
             request = self.slots[row].request
