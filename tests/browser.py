@@ -8,7 +8,9 @@ page, until it has loaded), and returns the evaluated expressions and the consol
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -32,10 +34,11 @@ def run_page(url: str, expressions: list[str], wait_for_state: bool = True, time
     from websockets.sync.client import connect
 
     browser = chromium()
-    with tempfile.TemporaryDirectory() as profile:
+    # Chromium's helper processes may still write into the profile while they exit: clean up leniently
+    with tempfile.TemporaryDirectory(ignore_cleanup_errors=True) as profile:
         process = subprocess.Popen([browser, "--headless=new", "--no-sandbox", "--disable-gpu",
                                     "--remote-debugging-port=0", f"--user-data-dir={profile}", "about:blank"],
-                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             port_file = Path(profile) / "DevToolsActivePort"
             deadline = time.monotonic() + 30
@@ -96,9 +99,14 @@ def run_page(url: str, expressions: list[str], wait_for_state: bool = True, time
                 except TimeoutError:
                     pass
             return values, messages
-        finally:
-            process.terminate()
-            try:
-                process.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                process.kill()
+        finally:  # the browser and its helper processes (one process group)
+            for sig in (signal.SIGTERM, signal.SIGKILL):
+                try:
+                    os.killpg(process.pid, sig)
+                except ProcessLookupError:
+                    break
+                try:
+                    process.wait(timeout=10)
+                    break
+                except subprocess.TimeoutExpired:
+                    continue
