@@ -14,7 +14,7 @@ import yaml
 from ..errors import ConfigError, TokenloomError
 from ..viz import capture_attention, plots
 from ..viz.report import Section, image, note, pre, render, table
-from .viz import METRICS_FILE, Loaded, lm_ids, read_metrics, run_checks, token_labels, translation_pair, vit_image
+from .viz import Loaded, entropy_tables, lm_ids, read_metrics, run_checks, token_labels, translation_pair, vit_image
 
 DEFAULT_SOURCE = "Ein Hund rennt durch das Gras."
 
@@ -98,8 +98,6 @@ def _checks(loaded: Loaded, tmp: Path, **inputs) -> Section:
                        [[h["kind"], h["layer"], h["head"], h["entropy"], h["normalized_entropy"], h["max_prob"],
                          h["previous_token"], h["first_token"], h["diagonal"], ", ".join(h["flags"])]
                         for h in results["heads"]], text_columns=(0, 9)))
-    from .viz import entropy_tables
-
     for kind, values in entropy_tables(results).items():
         parts.append(image(plots.plot_diagnostics(values, tmp / f"entropy-{kind}.png",
                                                   title=f"{kind}: normalised entropy per head"),
@@ -169,5 +167,3 @@ def _vit(loaded: Loaded, args: argparse.Namespace, tmp: Path) -> list[Section]:
     return [samples, Section("Attention maps", image(path, "attention rollout")),
             _checks(loaded, tmp, image=args.image)]
 
-
-__all__ = ["METRICS_FILE", "report"]

@@ -238,7 +238,9 @@ def create_app(model, tokenizer, config: ServeConfig):
                 out.append((p * settings["n"] + j, ids, gen))
         return out
 
-    async def run(jobs, settings) -> tuple[list[tuple[int, Request, asyncio.Queue]], float]:
+    async def run(jobs, settings) -> list[tuple[int, Request, asyncio.Queue]]:
+        """Submit the jobs to the engine: (choice index, request, its event queue) each; 429 when the queue is
+        full (the ones already queued are cancelled)."""
         started = []
         deadline = time.monotonic() + config.request_timeout
         try:
@@ -252,7 +254,7 @@ def create_app(model, tokenizer, config: ServeConfig):
             for _, request, _ in started:
                 request.cancel()
             raise APIError(429, str(err), type_="rate_limit_error", code="queue_full") from None
-        return started, time.monotonic()
+        return started
 
     def usage(started) -> dict:
         prompt = sum(len(r.prompt_ids) for _, r, _ in started)
@@ -348,7 +350,7 @@ def create_app(model, tokenizer, config: ServeConfig):
             raise APIError(400, f"{len(prompts)} prompts x n={settings['n']} exceeds the server's limit of "
                                 f"{config.max_prompts} completions per request", param="n", code="invalid_value")
         jobs = make_requests(prompts, settings, "prompt")
-        started, _ = await run(jobs, settings)
+        started = await run(jobs, settings)
         metrics.count_request("completions")
         rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 
@@ -380,7 +382,7 @@ def create_app(model, tokenizer, config: ServeConfig):
         settings["max_tokens"] = min(settings["max_tokens"], max(1, model.config.max_seq_len - len(
             encode(prompt, "messages")) - 1))
         jobs = make_requests([prompt], settings, "messages")
-        started, _ = await run(jobs, settings)
+        started = await run(jobs, settings)
         metrics.count_request("chat")
         rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
 

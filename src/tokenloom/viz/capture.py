@@ -100,9 +100,8 @@ def capture_attention(model: nn.Module, layers: Iterable[int] | None = None,
     """Capture the attention probabilities of ``layers`` (None = all) of ``kinds`` (None = all) during the
     ``with`` block; see the module docstring."""
     chosen = select_layers(model, layers, kinds)
-    names = {key: name for kind_list in attention_layers(model).items()
-             for key, name in (((kind_list[0], i), n) for i, (n, _) in enumerate(kind_list[1])) if key in chosen}
-    capture = AttentionCapture(names=names)
+    groups = attention_layers(model)
+    capture = AttentionCapture(names={(kind, i): groups[kind][i][0] for kind, i in chosen})
     with capture_attention_of(list(chosen.values())) as records:
         capture.records = {key: records[id(module)] for key, module in chosen.items()}
         yield capture
