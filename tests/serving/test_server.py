@@ -258,3 +258,26 @@ def test_translation_server(translator):
     assert r.status_code == 400 and r.json()["error"]["param"] == "input"
     r = httpx.post(translator.url + "/v1/translations", json={"input": "Hund", "beam": 99})
     assert r.status_code == 400 and r.json()["error"]["param"] == "beam"
+
+
+@pytest.fixture(scope="module")
+def tight():
+    """One batch row, one queue place, half a second per request."""
+    s = Server(SHAKES, "--max-batch", "1", "--max-queue", "1", "--request-timeout", "0.5")
+    yield s
+    s.stop()
+
+
+def test_a_full_queue_answers_429_and_a_slow_request_504(tight, offline):
+    def one(_):
+        r = httpx.post(tight.url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 250,
+                                                             "temperature": 0}, timeout=60)
+        return r.status_code, r.json()["error"]["code"] if r.status_code != 200 else None
+
+    with ThreadPoolExecutor(4) as pool:
+        results = list(pool.map(one, range(4)))
+    assert (429, "queue_full") in results  # one running, one waiting, the rest turned away
+    assert (504, "timeout") in results  # 250 tokens do not fit in half a second here
+    r = httpx.post(tight.url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 5, "temperature": 0},
+                   timeout=60)
+    assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline("ROMEO:", 5)
