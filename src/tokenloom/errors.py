@@ -37,3 +37,7 @@ class TokenizerError(TokenloomError):
 
 class GenerationError(TokenloomError, ValueError):
     """A generation request cannot be served (prompt too long, bad ids, bad settings)."""
+
+
+class TrainingError(TokenloomError):
+    """Training cannot go on (e.g. the loss or the gradients stayed non-finite); the last checkpoint is intact."""

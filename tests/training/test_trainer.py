@@ -134,3 +134,53 @@ def test_fine_tuning_may_switch_to_a_linear_attention_backend(tmp_path):
     assert tuned.model.config.attention == "performer" and summary["step"] == 1
     assert "blocks.0.attn.backend.features" in tuned.model.state_dict()
     torch.testing.assert_close(tuned.model.tok_embed.weight, base.model.tok_embed.weight, atol=1e-6, rtol=0)
+
+
+def poison(trainer, bad_calls):
+    """Make the task's loss NaN on the given (0-based) loss calls."""
+    loss_fn, calls = trainer.task.loss, [0]
+
+    def loss(model, batch):
+        value, n = loss_fn(model, batch)
+        calls[0] += 1
+        return (value * float("nan") if calls[0] - 1 in bad_calls else value), n
+
+    trainer.task.loss = loss
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_nan_loss_skips_the_update_and_is_counted(tmp_path, precision):
+    cfg = recipe(tmp_path, precision=precision, max_steps=6, eval_every=0, checkpoint_every=0)
+    trainer = setup_run(load_run_config(cfg, ["model.dropout=0.0"]), tmp_path / "r", show_progress=False)
+    poison(trainer, {2, 3})  # the 3rd and 4th batches
+    summary = trainer.fit()
+    assert summary["step"] == 6 and summary["nonfinite_steps"] == 2 and summary["stopped_by"] == "max_steps"
+    assert all(torch.isfinite(v).all() for v in trainer.model.state_dict().values())
+    records = [line for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines() if "skipped" in line]
+    assert len(records) == 2 and '"nonfinite_steps": 2' in records[-1]
+    # the skipped batches left no trace in the optimizer or the schedule: 6 updates, not 8
+    assert {int(state["step"]) for state in trainer.optimizer.state.values()} == {6}
+    assert trainer.scheduler.last_epoch == 6
+
+
+def test_nan_in_a_row_stops_with_a_clear_message_and_an_intact_checkpoint(tmp_path):
+    from tokenloom.errors import TrainingError
+
+    cfg = recipe(tmp_path, max_steps=20, eval_every=0, checkpoint_every=0, max_nonfinite=3)
+    trainer = setup_run(load_run_config(cfg, []), tmp_path / "r", show_progress=False)
+    poison(trainer, set(range(4, 100)))  # every batch from the 5th on
+    with pytest.raises(TrainingError, match=r"NaN/Inf for 3 updates in a row at step 4 \(train.max_nonfinite=3\); "
+                                            r"stopped"):
+        trainer.fit()
+    model, _ = load_model(tmp_path / "r")
+    assert all(torch.isfinite(v).all() for v in model.state_dict().values())
+    state = torch.load(tmp_path / "r" / "checkpoint" / "trainer_state.pt", weights_only=False)
+    assert state["step"] == 4 and state["nonfinite_steps"] == 3
+    assert '"stopped": "non_finite"' in (tmp_path / "r" / "metrics.jsonl").read_text()
+
+
+def test_max_nonfinite_is_checked():
+    from tokenloom.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.max_nonfinite must be an integer >= 0"):
+        load_run_config({"data": {"path": "x"}, "train": {"max_nonfinite": -1}}, [])

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import random
 import signal
 import time
@@ -24,7 +25,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..checkpoint import STATE_FILE, resolve_checkpoint, write_checkpoint
-from ..errors import CheckpointError
+from ..errors import CheckpointError, TrainingError
 from ..nn.modes import eval_mode
 from .compile import CompiledForward
 from .config import RunConfig
@@ -54,6 +55,8 @@ class Trainer:
         self.show_progress = show_progress
         self.last_eval: dict[str, float] = {}
         self.best: float | None = None  # the best value of train.keep_best so far
+        self.nonfinite_steps = 0  # updates skipped for a NaN/Inf loss or gradient, over the whole run
+        self.nonfinite_streak = 0  # ... in a row, up to now
         self._stop_requested = False
 
     # -- checkpoints --------------------------------------------------------------------------
@@ -84,6 +87,7 @@ class Trainer:
                 "python_rng": random.getstate(),
                 "last_eval": self.last_eval,
                 "best": self.best,
+                "nonfinite_steps": self.nonfinite_steps,
                 "task": self.task.state_dict() if hasattr(self.task, "state_dict") else None,
             }, tmp / STATE_FILE)
 
@@ -156,6 +160,7 @@ class Trainer:
             self.step = int(state["step"])
             self.last_eval = dict(state.get("last_eval", {}))
             self.best = state.get("best")
+            self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
             if state.get("task") is not None and hasattr(self.task, "load_state_dict"):
                 self.task.load_state_dict(state["task"])
         except (OSError, RuntimeError, KeyError, ValueError, EOFError) as err:
@@ -212,7 +217,23 @@ class Trainer:
             tokens += n
         params = self.master.masters if self.master is not None else list(self.model.parameters())
         if t.grad_clip is not None:
-            torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+            norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
+        else:
+            grads = [p.grad for p in params if p.grad is not None]
+            total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
+            norm = total_norm(grads) if total_norm is not None else torch.nn.utils.clip_grad_norm_(params, math.inf)
+        if not (math.isfinite(total_loss) and bool(torch.isfinite(norm))):
+            # a NaN/Inf loss or gradient: no update (the weights, moments and schedule stay), the batch is spent
+            self.optimizer.zero_grad(set_to_none=True)
+            self.nonfinite_steps += 1
+            self.nonfinite_streak += 1
+            if t.max_nonfinite and self.nonfinite_streak >= t.max_nonfinite:
+                raise TrainingError(f"the loss or the gradients were NaN/Inf for {self.nonfinite_streak} updates in "
+                                    f"a row at step {self.step} (train.max_nonfinite={t.max_nonfinite}); stopped. The "
+                                    f"checkpoint holds the last finite weights (step {self.step}): lower train.lr, "
+                                    "check the data, or train in fp32, then --resume")
+            return total_loss, tokens
+        self.nonfinite_streak = 0
         self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -235,9 +256,24 @@ class Trainer:
                    dynamic_ncols=True, desc="train")
         window_tokens, window_start, loss = 0, time.perf_counter(), float("nan")
         stopped_by = "max_steps"
+        failure: TrainingError | None = None
         with self._graceful_interrupt():
             while self.step < t.max_steps:
-                loss, tokens = self.train_step()
+                step_before, skipped_before = self.step, self.nonfinite_steps
+                try:
+                    loss, tokens = self.train_step()
+                except TrainingError as err:
+                    failure, stopped_by = err, "non_finite"
+                    self._log({"step": self.step, "stopped": "non_finite", "nonfinite_steps": self.nonfinite_steps})
+                    break
+                if self.step == step_before:  # the update was skipped (non-finite)
+                    if self.nonfinite_steps != skipped_before:
+                        self._log({"step": self.step, "skipped": "non_finite", "loss": str(loss),
+                                   "nonfinite_steps": self.nonfinite_steps})
+                    if self._stop_requested:
+                        stopped_by = "interrupt"
+                        break
+                    continue
                 window_tokens += tokens
                 bar.update(1)
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
@@ -266,11 +302,14 @@ class Trainer:
             bar.close()
             if self.master is not None:  # evaluate, save and hand back the model in float32
                 self.master.to_fp32()
-            metrics = self.evaluate() if stopped_by != "interrupt" else dict(self.last_eval)
+            metrics = self.evaluate() if stopped_by not in ("interrupt", "non_finite") else dict(self.last_eval)
             self.save()
+            if failure is not None:
+                raise failure
             if self.config.train.average_last and stopped_by in ("max_steps", "max_minutes"):
                 self.average_snapshots()
         elapsed = time.perf_counter() - start_time
         summary = {"step": self.step, "train_loss": loss, **metrics, "stopped_by": stopped_by,
+                   "nonfinite_steps": self.nonfinite_steps,
                    "steps_this_run": self.step - start_step, "seconds": round(elapsed, 1)}
         return summary
