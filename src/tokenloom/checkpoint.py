@@ -12,6 +12,8 @@ moment ``checkpoint`` (or, mid-swap, ``checkpoint.old``) is complete.
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import shutil
 from collections.abc import Callable
@@ -79,6 +81,7 @@ def write_checkpoint(directory: str | Path, model: nn.Module | None, config: dic
         tokenizer.save(tmp / TOKENIZER_FILE)
     if extra is not None:
         extra(tmp)
+    write_checksums(tmp)
     for f in tmp.iterdir():  # make the files durable before they become visible
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -88,6 +91,44 @@ def write_checkpoint(directory: str | Path, model: nn.Module | None, config: dic
     os.replace(tmp, directory)
     shutil.rmtree(old, ignore_errors=True)
     return directory
+
+
+CHECKSUM_FILE = "checksums.json"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def write_checksums(directory: Path) -> None:
+    """``checksums.json``: the SHA-256 of every other file of the checkpoint in ``directory``."""
+    sums = {f.name: _sha256(f) for f in sorted(directory.iterdir()) if f.is_file() and f.name != CHECKSUM_FILE}
+    (directory / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1) + "\n", encoding="utf-8")
+
+
+def checkpoint_damage(path: str | Path) -> str | None:
+    """Why the checkpoint at ``path`` is damaged (a file missing, or its bytes not those written), or None when
+    it is intact. Checkpoints written before checksums existed (no ``checksums.json``) count as intact."""
+    path = Path(path)
+    manifest = path / CHECKSUM_FILE
+    if not (path / CONFIG_FILE).is_file():
+        return f"{path} has no {CONFIG_FILE}"
+    if not manifest.is_file():
+        return None
+    try:
+        sums = json.loads(manifest.read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
+        return f"{manifest} is unreadable"
+    for name, expected in sums.items():
+        if not (path / name).is_file():
+            return f"{path / name} is missing"
+        if _sha256(path / name) != expected:
+            return f"{path / name} does not match its checksum (truncated or corrupt)"
+    return None
 
 
 def read_config(path: str | Path) -> dict[str, Any]:

@@ -246,7 +246,7 @@ def test_import_hf_writes_a_checkpoint(tmp_path, bpe: Tokenizer) -> None:
     hf, directory = _gpt2_dir(tmp_path / "hf", seed=6, vocab_size=320)
     bpe.save(directory / "tokenizer.json")
     out = import_hf(directory, tmp_path / "ckpt")
-    assert {p.name for p in out.iterdir()} == {"config.yaml", "model.safetensors", "tokenizer.json"}
+    assert {p.name for p in out.iterdir()} == {"config.yaml", "model.safetensors", "tokenizer.json", "checksums.json"}
     model, config = load_model(out)
     assert config["source"]["architecture"] == "GPT2LMHeadModel"
     assert model.config == from_hf(directory).config
@@ -279,7 +279,7 @@ def test_import_hf_llama_eos_token(tmp_path, llama_bpe: Tokenizer, source: str) 
 def test_import_hf_without_tokenizer(tmp_path) -> None:
     hf, directory = _gpt2_dir(tmp_path / "hf", seed=8)
     out = import_hf(directory, tmp_path / "ckpt")
-    assert {p.name for p in out.iterdir()} == {"config.yaml", "model.safetensors"}
+    assert {p.name for p in out.iterdir()} == {"config.yaml", "model.safetensors", "checksums.json"}
     model, _ = load_model(out)
     assert_same_logits(model, hf, ids(2, 32, seed=8))
 

@@ -184,3 +184,49 @@ def test_max_nonfinite_is_checked():
 
     with pytest.raises(ConfigError, match="train.max_nonfinite must be an integer >= 0"):
         load_run_config({"data": {"path": "x"}, "train": {"max_nonfinite": -1}}, [])
+
+
+def test_checkpoints_carry_checksums_and_damage_is_found(tmp_path):
+    from tokenloom.checkpoint import CHECKSUM_FILE, checkpoint_damage
+
+    run(recipe(tmp_path, max_steps=4), tmp_path / "r")
+    ckpt = tmp_path / "r" / "checkpoint"
+    assert (ckpt / CHECKSUM_FILE).is_file() and checkpoint_damage(ckpt) is None
+    data = bytearray((ckpt / "model.safetensors").read_bytes())
+    data[-5] ^= 0xFF  # one flipped byte inside a tensor: the file still parses
+    (ckpt / "model.safetensors").write_bytes(bytes(data))
+    assert "model.safetensors does not match its checksum" in checkpoint_damage(ckpt)
+    data[-5] ^= 0xFF
+    (ckpt / "model.safetensors").write_bytes(bytes(data))
+    assert checkpoint_damage(ckpt) is None
+    (ckpt / "trainer_state.pt").unlink()
+    assert "trainer_state.pt is missing" in checkpoint_damage(ckpt)
+
+
+def test_keep_checkpoints_and_resume_from_the_newest_intact_one(tmp_path):
+    cfg = recipe(tmp_path, keep_checkpoints=3, checkpoint_every=2, eval_every=0)
+    full, _ = run(cfg, tmp_path / "full")
+    run(cfg, tmp_path / "split", overrides=["train.stop_after_steps=6"])  # saves at 2, 4 and 6 (its end)
+    history = sorted(p.name for p in (tmp_path / "split" / "history").iterdir())
+    assert history == ["step-00000002", "step-00000004"]  # with the newest: 3 kept
+    newest = tmp_path / "split" / "checkpoint" / "model.safetensors"
+    data = bytearray(newest.read_bytes())
+    data[-5] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    with pytest.warns(UserWarning, match=r"resuming from .*step-00000004: checkpoint is damaged \(.*does not match"):
+        resumed, _ = run(cfg, tmp_path / "split", resume=True)
+    assert resumed.step == 8
+    for (k, a), b in zip(params(full.model).items(), params(resumed.model).values(), strict=True):
+        assert torch.equal(a, b), k  # exact: steps 5-8 replayed from step 4's state
+    for p in (tmp_path / "split" / "history").iterdir():
+        (p / "config.yaml").unlink()
+    (tmp_path / "split" / "checkpoint" / "trainer_state.pt").write_bytes(b"junk")
+    with pytest.raises(CheckpointError, match="no intact checkpoint to resume from"):
+        run(cfg, tmp_path / "split", resume=True)
+
+
+def test_keep_checkpoints_is_checked():
+    from tokenloom.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="train.keep_checkpoints must be an integer >= 1, got 0"):
+        load_run_config({"data": {"path": "x"}, "train": {"keep_checkpoints": 0}}, [])

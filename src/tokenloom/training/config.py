@@ -73,6 +73,7 @@ class TrainConfig:
     weight_decay: float = 0.1  # AdamW decoupled weight decay (matrices only)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
     grad_clip: float | None = 1.0  # max global gradient norm; None = off
+    keep_checkpoints: int = 1  # checkpoints kept: <run>/checkpoint and the previous ones in <run>/history
     max_nonfinite: int = 10  # a NaN/Inf loss or gradient skips the update; this many in a row stop the run (0: never)
     label_smoothing: float = 0.0  # 0.1 in the original Transformer
     precision: Literal["fp32", "bf16", "bf16-autocast"] = "bf16"  # bf16: bf16 model, fp32 master weights
@@ -108,6 +109,9 @@ class TrainConfig:
         check(0.0 <= self.label_smoothing < 1.0,
               f"train.label_smoothing must be in [0, 1), got {self.label_smoothing}")
         check(self.grad_clip is None or self.grad_clip > 0, f"train.grad_clip must be positive, got {self.grad_clip}")
+        check(isinstance(self.keep_checkpoints, int) and not isinstance(self.keep_checkpoints, bool)
+              and self.keep_checkpoints >= 1, f"train.keep_checkpoints must be an integer >= 1, got "
+                                              f"{self.keep_checkpoints!r}")
         check(isinstance(self.max_nonfinite, int) and not isinstance(self.max_nonfinite, bool)
               and self.max_nonfinite >= 0,
               f"train.max_nonfinite must be an integer >= 0 (0 = never stop), got {self.max_nonfinite!r}")

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import warnings
 from pathlib import Path
 
 import torch
 
-from ..checkpoint import load_tokenizer, load_weights, read_config, resolve_checkpoint
+from ..checkpoint import checkpoint_damage, load_tokenizer, load_weights, read_config, resolve_checkpoint
 from ..errors import CheckpointError, ConfigError
 from ..tasks import TASKS
 from .config import RunConfig
-from .trainer import Trainer
+from .trainer import HISTORY_DIR, Trainer
 
 
 def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
@@ -28,7 +29,7 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
     checkpoint = None
     model_section = config.model
     if resume:
-        checkpoint = resolve_checkpoint(run_dir)
+        checkpoint = newest_intact_checkpoint(run_dir)
         tokenizer = load_tokenizer(checkpoint) if uses_tokenizer else None
     elif t.init_from:
         checkpoint = resolve_checkpoint(t.init_from)
@@ -62,3 +63,22 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
     if resume:
         trainer.load_state(checkpoint)
     return trainer
+
+
+def newest_intact_checkpoint(run_dir: Path) -> Path:
+    """The checkpoint to resume from: ``<run>/checkpoint`` when its checksums hold, else (with a warning naming
+    the damage) the newest intact one in ``<run>/history``; a one-line error when none is intact."""
+    candidates = [run_dir / "checkpoint", run_dir / "checkpoint.old"]
+    candidates += sorted((run_dir / HISTORY_DIR).glob("step-*"), reverse=True)
+    candidates = [c for c in candidates if (c / "config.yaml").is_file()]
+    if not candidates:
+        return resolve_checkpoint(run_dir)  # its one-line error (or run_dir is a checkpoint itself)
+    damaged = []
+    for candidate in candidates:
+        damage = checkpoint_damage(candidate)
+        if damage is None:
+            if damaged:
+                warnings.warn(f"resuming from {candidate}: " + "; ".join(damaged), stacklevel=3)
+            return candidate
+        damaged.append(f"{candidate.name} is damaged ({damage})")
+    raise CheckpointError(f"no intact checkpoint to resume from in {run_dir}: " + "; ".join(damaged))

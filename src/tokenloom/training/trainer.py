@@ -11,7 +11,9 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 import random
+import shutil
 import signal
 import time
 from collections.abc import Iterator
@@ -32,6 +34,8 @@ from .config import RunConfig
 from .optim import create_optimizer
 from .precision import MasterWeights, autocast
 from .schedules import create_scheduler
+
+HISTORY_DIR = "history"  # <run>/history/step-NNNNNNNN: earlier checkpoints (train.keep_checkpoints > 1)
 
 
 class Trainer:
@@ -55,6 +59,7 @@ class Trainer:
         self.show_progress = show_progress
         self.last_eval: dict[str, float] = {}
         self.best: float | None = None  # the best value of train.keep_best so far
+        self.saved_step: int | None = None  # the step of <run>/checkpoint, once this run wrote or resumed it
         self.nonfinite_steps = 0  # updates skipped for a NaN/Inf loss or gradient, over the whole run
         self.nonfinite_streak = 0  # ... in a row, up to now
         self._stop_requested = False
@@ -92,8 +97,19 @@ class Trainer:
             }, tmp / STATE_FILE)
 
         weights = self._weights()
+        keep = self.config.train.keep_checkpoints
+        if keep > 1 and self.checkpoint_dir.exists() and self.saved_step not in (None, self.step):
+            # the current checkpoint becomes history (a rename); the oldest beyond keep - 1 go
+            history = self.run_dir / HISTORY_DIR
+            history.mkdir(exist_ok=True)
+            target = history / f"step-{self.saved_step:08d}"
+            shutil.rmtree(target, ignore_errors=True)
+            os.replace(self.checkpoint_dir, target)
+            for old in sorted(history.glob("step-*"))[:-(keep - 1)]:
+                shutil.rmtree(old, ignore_errors=True)
         path = write_checkpoint(self.checkpoint_dir, self.model, self._config_dict(), self.tokenizer,
                                 extra=save_state, state_dict=weights)
+        self.saved_step = self.step
         if self.config.train.average_last:
             self._snapshot(weights)
         return path
@@ -158,6 +174,7 @@ class Trainer:
             np.random.set_state(state["numpy_rng"])
             random.setstate(state["python_rng"])
             self.step = int(state["step"])
+            self.saved_step = self.step
             self.last_eval = dict(state.get("last_eval", {}))
             self.best = state.get("best")
             self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
