@@ -230,3 +230,11 @@ def test_keep_checkpoints_is_checked():
 
     with pytest.raises(ConfigError, match="train.keep_checkpoints must be an integer >= 1, got 0"):
         load_run_config({"data": {"path": "x"}, "train": {"keep_checkpoints": 0}}, [])
+
+
+def test_an_unwritable_run_directory_fails_before_training(tmp_path):
+    from tokenloom.errors import ConfigError
+
+    (tmp_path / "a-file").write_text("x")
+    with pytest.raises(ConfigError, match=r"^cannot write the run directory .*a-file/run: Not a directory$"):
+        setup_run(load_run_config(recipe(tmp_path), []), tmp_path / "a-file" / "run", show_progress=False)

@@ -22,6 +22,7 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
     another checkpoint's weights and tokenizer, its model settings overridden by the recipe's ``model``.
     Tasks without a tokenizer (``uses_tokenizer = False``: image classification) get None."""
     run_dir = Path(run_dir)
+    check_writable(run_dir)  # before any data is prepared or a step is trained
     t = config.train
     task_cls = TASKS.get(config.task)
     uses_tokenizer = getattr(task_cls, "uses_tokenizer", True)
@@ -82,3 +83,14 @@ def newest_intact_checkpoint(run_dir: Path) -> Path:
             return candidate
         damaged.append(f"{candidate.name} is damaged ({damage})")
     raise CheckpointError(f"no intact checkpoint to resume from in {run_dir}: " + "; ".join(damaged))
+
+
+def check_writable(run_dir: Path) -> None:
+    """Create ``run_dir`` if needed and prove it takes files; a one-line error otherwise."""
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        probe = run_dir / ".write-test"
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"cannot write the run directory {run_dir}: {err.strerror or err}") from None
