@@ -14,7 +14,7 @@ import torch
 from ..checkpoint import load_model, load_tokenizer, read_config, resolve_checkpoint
 from ..errors import ConfigError, GenerationError
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --precision -> the weights' dtype
 
 
 def train(args: argparse.Namespace) -> int:
@@ -121,7 +121,7 @@ def generate(args: argparse.Namespace) -> int:
     from .vision import refuse_image_checkpoint
 
     refuse_image_checkpoint(args.checkpoint, "generate", "`tokenloom classify`")
-    model, _ = load_model(args.checkpoint, dtype=_DTYPES[args.precision])
+    model, _ = load_model(args.checkpoint, dtype=PRECISIONS[args.precision])
     tokenizer = load_tokenizer(args.checkpoint)
     if getattr(model, "decoder_for", None) is not None:
         raise ConfigError("this is a translation model: use `tokenloom translate`")
@@ -188,7 +188,7 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.metrics or args.source or args.reference:
         raise ConfigError("--metrics, --source and --reference apply to translation models; a language model "
                           "reports loss and perplexity")
-    model, _ = load_model(ckpt, dtype=_DTYPES[args.precision])
+    model, _ = load_model(ckpt, dtype=PRECISIONS[args.precision])
     tokenizer = load_tokenizer(ckpt)
     data = config.get("data") or {}
     if not args.data and not data.get("path"):
@@ -256,7 +256,7 @@ def _translation_model(checkpoint: str | Path, precision: str):
     if family not in ("seq2seq", "nat"):
         raise ConfigError(f"{ckpt} holds a {family!r} model; translation needs an encoder-decoder (family seq2seq "
                           f"or nat)")
-    model, _ = load_model(ckpt, dtype=_DTYPES[precision])
+    model, _ = load_model(ckpt, dtype=PRECISIONS[precision])
     return ckpt, model, load_tokenizer(ckpt)
 
 

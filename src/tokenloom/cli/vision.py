@@ -16,9 +16,9 @@ import torch
 
 from ..checkpoint import load_model, read_config, resolve_checkpoint
 from ..errors import ConfigError
+from .commands import PRECISIONS
 
 IMAGE_TASK = "image_classification"
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def is_image_checkpoint(config: dict[str, Any]) -> bool:
@@ -42,7 +42,7 @@ def _image_model(checkpoint: str | Path, precision: str) -> tuple[Path, torch.nn
         family = (config.get("model") or {}).get("family", "gpt")
         raise ConfigError(f"{ckpt} holds a {config.get('task', 'lm')!r} model ({family}); classify needs an "
                           f"image classification checkpoint")
-    model, _ = load_model(ckpt, dtype=_DTYPES[precision])
+    model, _ = load_model(ckpt, dtype=PRECISIONS[precision])
     return ckpt, model, config
 
 

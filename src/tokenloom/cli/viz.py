@@ -64,7 +64,7 @@ def lm_ids(loaded: Loaded, text: str, too_long: str) -> Tensor:
 def translation_pair(loaded: Loaded, source: str, target: str | None, too_long: str) -> dict[str, Any]:
     """Source ids (with EOS), decoder input (BOS + target; the greedy translation when ``target`` is None) and
     their token labels."""
-    from ..generation import GenerationConfig
+    from ..generation import GenerationConfig, generate
     from ..tasks.translation import encode_sources, special_ids
 
     tok, model = loaded.tokenizer, loaded.model
@@ -75,8 +75,6 @@ def translation_pair(loaded: Loaded, source: str, target: str | None, too_long: 
         limit = min(model.config.max_target_len - 1, int(1.5 * len(src)) + 10)
         config = GenerationConfig(max_new_tokens=limit, do_sample=False, eos_token_id=ids["eos_id"],
                                   pad_token_id=ids["pad_id"])
-        from ..generation import generate
-
         with torch.inference_mode():
             out = generate(decoder, torch.tensor([[ids["bos_id"]]]), config)[0, 1:].tolist()
         tgt = [t for t in out if t != ids["pad_id"]]

@@ -182,7 +182,7 @@ class Engine:
             generator = torch.Generator().manual_seed(config.seed)
         slot = _Slot(request, create_processors(config), generator, last=-1)
         self.slots.append(slot)
-        token = self._choose(slot, logits[None])[0]
+        token = self._choose(slot, self._limited(logits[None]))[0]
         self._deliver([slot], [token])
         if self.on_step is not None:
             self.on_step(len(self.slots), 1)
@@ -202,10 +202,15 @@ class Engine:
             self.on_step(A, A)
         self._release()
 
-    def _choose_all(self, logits: Tensor) -> list[int]:
+    def _limited(self, logits: Tensor) -> Tensor:
+        """(A, V) logits as float32, ids past the tokenizer's vocabulary never chosen."""
         logits = logits.float()
         if self.vocab_limit is not None:
             logits[:, self.vocab_limit:] = float("-inf")
+        return logits
+
+    def _choose_all(self, logits: Tensor) -> list[int]:
+        logits = self._limited(logits)
         plain = [i for i, s in enumerate(self.slots) if s.request.config.greedy and not s.processors]
         out = [0] * len(self.slots)
         if plain:
@@ -218,10 +223,8 @@ class Engine:
         return out
 
     def _choose(self, slot: _Slot, scores: Tensor) -> list[int]:
-        """(1, V) scores -> the next token, as generate() chooses it for one row."""
-        scores = scores.float()
-        if self.vocab_limit is not None:
-            scores[:, self.vocab_limit:] = float("-inf")
+        """(1, V) float32 scores (past the tokenizer's vocabulary already -inf) -> the next token, as generate()
+        chooses it for one row."""
         request = slot.request
         if slot.processors:
             history = torch.tensor([request.prompt_ids + request.new_ids])
