@@ -132,4 +132,4 @@ def test_resume_through_the_cli(trained, tmp_path):
     assert main(["train", "--out", str(run), "--resume", "--set", "train.max_steps=44"]) == 0
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 44 and "val_acc" in records[-1]
-    assert torch.load(run / "checkpoint" / "trainer_state.pt", weights_only=False)["task"]["position"] > 0
+    assert torch.load(run / "checkpoint" / "trainer_state.pt", weights_only=False)["task"]["offset"] > 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -12,15 +13,25 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import load_model, load_tokenizer, read_config, resolve_checkpoint
-from ..errors import ConfigError, GenerationError
+from ..errors import ConfigError, GenerationError, TrainingError
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --precision -> the weights' dtype
 
 
 def train(args: argparse.Namespace) -> int:
     from ..training import load_run_config, setup_run
+    from ..training.distributed import resolve_backend, session, torchrun_world
 
+    if args.strategy:
+        args.overrides = [*args.overrides, f"train.strategy={args.strategy}"]
+    if args.nproc < 1 or args.max_restarts < 0:
+        raise ConfigError(f"--nproc must be >= 1 and --max-restarts >= 0, got {args.nproc} and {args.max_restarts}")
     out = Path(args.out)
+    restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
+    if restart and not args.resume and (out / "checkpoint").exists():
+        args.resume = True  # torchrun restarted the processes after a failure: continue the run
+        if os.environ.get("RANK", "0") == "0":
+            print(f"restart {restart}: resuming from the newest intact checkpoint in {out}", file=sys.stderr)
     if args.resume:
         if not args.recipe and not out.exists():
             raise ConfigError(f"--resume: no run directory at {out}")
@@ -34,22 +45,60 @@ def train(args: argparse.Namespace) -> int:
         config = load_run_config(args.recipe, args.overrides)
     if args.sample and config.task == "image_classification":
         raise ConfigError("--sample applies to language models; try `tokenloom classify RUN IMAGE` after training")
-    trainer = setup_run(config, out, resume=args.resume)
-    n_params = sum(p.numel() for p in trainer.model.parameters())
+    if args.nproc > 1 and torchrun_world() is None:
+        if config.train.strategy == "single":
+            raise ConfigError(f"--nproc {args.nproc} with train.strategy=single: use --strategy ddp or fsdp")
+        resolve_backend(config.train.backend)  # an unavailable backend: one line here, not one per process
+        return _launch(args)
     t = config.train
-    print(f"training {config.task} model ({n_params / 1e6:.2f}M parameters, {t.precision}) for "
-          f"{t.max_steps} steps from step {trainer.step} -> {out}", file=sys.stderr)
-    summary = trainer.fit()
-    print(f"step {summary['step']}: train_loss {summary['train_loss']:.4f}  "
-          f"val_loss {summary.get('val_loss', float('nan')):.4f}  "
-          + (f"val_acc {summary['val_acc']:.2f}  " if "val_acc" in summary else "")
-          + f"({summary['stopped_by']}, "
-          f"{summary['seconds']:.0f}s)", file=sys.stderr)
-    print(f"checkpoint: {trainer.checkpoint_dir}", file=sys.stderr)
-    if args.sample:
-        model = trainer.model.eval()
+    with session(t.strategy, t.backend) as where:
+        trainer = setup_run(config, out, resume=args.resume, dist=where)
+        n_params = sum(p.numel() for p in trainer.model.parameters())
+        say = (lambda text: print(text, file=sys.stderr)) if where.is_main else (lambda text: None)
+        how = f", {where.world_size} processes ({where.strategy}, {where.backend})" if where.active else ""
+        say(f"training {config.task} model ({n_params / 1e6:.2f}M parameters, {t.precision}{how}) for "
+            f"{t.max_steps} steps from step {trainer.step} -> {out}")
+        summary = trainer.fit()
+    say(f"step {summary['step']}: train_loss {summary['train_loss']:.4f}  "
+        f"val_loss {summary.get('val_loss', float('nan')):.4f}  "
+        + (f"val_acc {summary['val_acc']:.2f}  " if "val_acc" in summary else "")
+        + f"({summary['stopped_by']}, {summary['seconds']:.0f}s)")
+    say(f"checkpoint: {trainer.checkpoint_dir}")
+    if args.sample and where.is_main:
+        model = (trainer.model if not where.active else load_model(trainer.checkpoint_dir)).eval()
         _stream_text(model, trainer.tokenizer, "\n", _gen_config(max_new_tokens=args.sample, temperature=0.8,
                                                                   top_k=40, seed=t.seed))
+    return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    """``tokenloom train ... --nproc N``: run N copies of this command through torchrun's launcher (what
+    ``torchrun --standalone --nproc-per-node N --max-restarts K -m tokenloom train ...`` does), each with
+    ``N`` threads' share of the cores. Every process prints its own errors; a failure ends here in one line."""
+    import logging
+    import uuid
+
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    command = ["-m", "tokenloom", "train", *([args.recipe] if args.recipe else []), "--out", str(args.out)]
+    for override in args.overrides:
+        command += ["--set", override]
+    command += ["--resume"] * args.resume + (["--sample", str(args.sample)] if args.sample else [])
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=str(uuid.uuid4()),
+                          rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=args.max_restarts,
+                          monitor_interval=0.5)
+    try:
+        elastic_launch(config, sys.executable)(*command)
+    except ChildFailedError as err:
+        failures = sorted(err.failures.items())
+        rank, failure = failures[0]
+        raise TrainingError(f"training process {rank} failed (exit code {failure.exitcode}"
+                            + (f", after {args.max_restarts} restart(s)" if args.max_restarts else "")
+                            + "): see its message above; the newest intact checkpoint stays in "
+                            + f"{args.out} (continue with --resume)") from None
     return 0
 
 

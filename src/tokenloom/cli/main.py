@@ -24,6 +24,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue exactly from the run's last checkpoint")
     p.add_argument("--sample", type=int, default=0, metavar="N",
                    help="print N characters/tokens of generated text after training")
+    p.add_argument("--nproc", type=int, default=1, metavar="N",
+                   help="train as N processes on this machine (starts them through torchrun's launcher; "
+                        "docs/distributed.md)")
+    p.add_argument("--strategy", choices=("single", "ddp", "fsdp"),
+                   help="how several processes split the work (sets train.strategy; default ddp)")
+    p.add_argument("--max-restarts", type=int, default=0, metavar="K",
+                   help="with --nproc: restart the processes up to K times after a failure; each restart resumes "
+                        "from the newest intact checkpoint")
     p.set_defaults(func=_run("train"))
 
 

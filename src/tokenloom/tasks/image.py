@@ -47,7 +47,7 @@ from ..data.images import (
 from ..errors import ConfigError, DataError
 from ..models.factory import create_model, model_config_from_dict
 from .losses import cross_entropy, soft_cross_entropy
-from .registry import TASKS
+from .registry import TASKS, Sharded
 
 DEFAULT_DIRS = {"mnist": "data/mnist", "digits": "data/digits"}
 DIGITS = [str(i) for i in range(10)]
@@ -164,7 +164,7 @@ class ImageBatch:
 
 
 @TASKS.register("image_classification")
-class ImageClassificationTask:
+class ImageClassificationTask(Sharded):
     """Batches of augmented images; cross-entropy (label smoothing, soft targets); loss / accuracy / top-5."""
 
     data_config_cls = ImageDataConfig
@@ -176,7 +176,7 @@ class ImageClassificationTask:
         self.dataset, self.data = dataset, data
         self.batch_size, self.label_smoothing, self.eval_batches, self.seed = batch_size, label_smoothing, \
             eval_batches, seed
-        self.epoch, self.position = 0, 0
+        self.epoch, self.offset = 0, 0  # the offset: images of the epoch's order already drawn
         self._order: Tensor | None = None
 
     @classmethod
@@ -211,28 +211,36 @@ class ImageClassificationTask:
     # ---- training -----------------------------------------------------------------------------
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "position": self.position}
+        return {"epoch": self.epoch, "offset": self.offset}
 
     def load_state_dict(self, state: dict[str, int]) -> None:
-        self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None
+        self.epoch, self._order = int(state["epoch"]), None
+        # older checkpoints count batches of batch_size
+        self.offset = int(state["offset"]) if "offset" in state else int(state["position"]) * self.batch_size
 
     @property
     def batches_per_epoch(self) -> int:
-        return max(1, self.dataset.size("train") // self.batch_size)  # the last partial batch is dropped
+        """Updates per epoch (global batches of ``world_size`` x ``batch_size``; the last partial one is dropped)."""
+        return max(1, self.dataset.size("train") // (self.batch_size * self.world_size))
 
     def get_batch(self, generator: torch.Generator) -> ImageBatch:
-        """The next ``batch_size`` training images (the order is fixed by the seed and the epoch),
-        augmented with ``generator``."""
-        if self.position >= self.batches_per_epoch:
-            self.epoch, self.position, self._order = self.epoch + 1, 0, None
+        """The next ``batch_size`` training images (the order is fixed by the seed and the epoch; a last partial
+        batch is dropped), augmented with ``generator``. Distributed: the global batch is drawn and augmented
+        (mixup pairs images across it), this rank keeps its slice."""
+        size = self.batch_size * self.world_size
+        if self.offset + size > self.dataset.size("train"):
+            self.epoch, self.offset, self._order = self.epoch + 1, 0, None
         if self._order is None:
             epoch_generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
             self._order = torch.randperm(self.dataset.size("train"), generator=epoch_generator)
-        indices = self._order[self.position * self.batch_size:(self.position + 1) * self.batch_size]
-        self.position += 1
+        indices = self._order[self.offset:self.offset + size]
+        self.offset += size
         x = augment(self.dataset.pixels("train", indices), self.data.augment, generator)
         labels = self.dataset.labels("train")[indices]
         x, targets = mix_batch(x, labels, self.dataset.num_classes, self.data.augment, generator)
+        if self.world_size > 1:
+            rows = self.local(self.batch_size)
+            x, labels, targets = x[rows], labels[rows], targets[rows] if targets is not None else None
         return ImageBatch(self.dataset.normalize(x), labels, targets)
 
     def loss(self, model: nn.Module, batch: ImageBatch) -> tuple[Tensor, int]:

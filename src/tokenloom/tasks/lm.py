@@ -16,7 +16,7 @@ from ..data.tokenizers import TOKENIZERS, Tokenizer, create_tokenizer
 from ..errors import DataError
 from ..models.factory import create_model, model_config_from_dict
 from .losses import cross_entropy
-from .registry import TASKS
+from .registry import TASKS, Sharded
 
 
 @dataclass
@@ -35,7 +35,7 @@ class LMDataConfig:
 
 
 @TASKS.register("lm")
-class LMTask:
+class LMTask(Sharded):
     """Batches are (x, y) with y = x shifted by one; the loss is the mean token cross-entropy."""
 
     data_config_cls = LMDataConfig
@@ -73,7 +73,12 @@ class LMTask:
         return task, model, tokenizer, {"family": family, **section}
 
     def get_batch(self, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        return self.dataset.get_batch("train", self.batch_size, self.seq_len, generator)
+        """``batch_size`` random windows (distributed: this rank's slice of the global batch's windows)."""
+        x, y = self.dataset.get_batch("train", self.batch_size * self.world_size, self.seq_len, generator)
+        if self.world_size == 1:
+            return x, y
+        rows = self.local(self.batch_size)
+        return x[rows], y[rows]
 
     def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, int]:
         """(mean loss, number of target tokens)."""
@@ -87,7 +92,8 @@ class LMTask:
         split: ``max_batches`` windows (-1: the task's ``eval_batches``; None: the whole split)."""
         max_batches = self.eval_batches if max_batches == -1 else max_batches
         total, count = 0.0, 0
-        for x, y in self.dataset.iter_batches(split, self.batch_size, self.seq_len, max_batches):
+        # batches of the global batch size: the same windows whatever the number of processes
+        for x, y in self.dataset.iter_batches(split, self.batch_size * self.world_size, self.seq_len, max_batches):
             logits = model(x)
             total += cross_entropy(logits, y).item() * y.numel()
             count += y.numel()

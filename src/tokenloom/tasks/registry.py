@@ -5,3 +5,19 @@ from __future__ import annotations
 from ..registry import Registry
 
 TASKS: Registry[type] = Registry("task")
+
+
+class Sharded:
+    """A task whose training batches split across the processes of a distributed run: every process draws the
+    global batch (``world_size`` x ``batch_size``, with the same generator) and keeps slice ``rank``; so N
+    processes see exactly the data one process with an N times larger batch would, and a saved data position
+    means the same for any number of processes."""
+
+    rank, world_size = 0, 1
+
+    def shard(self, rank: int, world_size: int) -> None:
+        self.rank, self.world_size = rank, world_size
+
+    def local(self, per_rank: int) -> slice:
+        """This rank's rows of a global batch of ``world_size * per_rank``."""
+        return slice(self.rank * per_rank, (self.rank + 1) * per_rank)

@@ -30,7 +30,7 @@ from ..errors import ConfigError, DataError, GenerationError
 from ..models.factory import create_model, model_config_from_dict
 from ..models.registry import MODELS
 from .losses import cross_entropy
-from .registry import TASKS
+from .registry import TASKS, Sharded
 
 
 @dataclass
@@ -80,7 +80,7 @@ def special_ids(tokenizer: Tokenizer) -> dict[str, int]:
 
 
 @TASKS.register("translation")
-class TranslationTask:
+class TranslationTask(Sharded):
     """Token-count batches of sentence pairs; label-smoothed cross-entropy; val loss and BLEU."""
 
     data_config_cls = TranslationDataConfig
@@ -153,13 +153,18 @@ class TranslationTask:
         return self._batches
 
     def get_batch(self, generator: torch.Generator | None = None) -> ParallelBatch:
-        """The next training batch (the order is fixed by the seed and epoch, so resuming is exact)."""
+        """The next training batch (the order is fixed by the seed and epoch, so resuming is exact).
+        Distributed: each step takes ``world_size`` consecutive batches of the epoch, one per rank (an epoch's
+        last batches that do not fill a step are left out)."""
         batches = self._epoch_batches()
-        if self.position >= len(batches):
+        if self.position + self.world_size > len(batches):
             self.epoch, self.position, self._batches = self.epoch + 1, 0, None
             batches = self._epoch_batches()
-        indices = batches[self.position]
-        self.position += 1
+            if len(batches) < self.world_size:
+                raise DataError(f"the {self.data.train!r} split makes {len(batches)} batches of data.max_tokens="
+                                f"{self.data.max_tokens}, fewer than the {self.world_size} processes")
+        indices = batches[self.position + self.rank]
+        self.position += self.world_size
         return self.dataset.collate(self.data.train, indices, **self.ids)
 
     def loss(self, model: nn.Module, batch: ParallelBatch) -> tuple[Tensor, int]:

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..config import apply_overrides, check, check_choice, from_dict, load_yaml, to_dict
+from ..config import apply_overrides, check, check_choice, did_you_mean, from_dict, load_yaml, to_dict
 from ..models.factory import model_config_from_dict
 from ..models.registry import MODELS
 from ..tasks import TASKS
+from .distributed import BACKENDS, STRATEGIES
 from .schedules import SCHEDULES
 
 
@@ -92,6 +93,8 @@ class TrainConfig:
     activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory, more time)
     compile: bool = False  # run the training forward through torch.compile (falls back to eager, with a warning)
     compile_mode: str = "default"  # torch.compile mode: default | reduce-overhead | max-autotune
+    strategy: str = "auto"  # several processes (torchrun): auto | single | ddp | fsdp (docs/distributed.md)
+    backend: str = "auto"  # torch.distributed backend: auto | gloo | nccl (the Trainer computes on the CPU: gloo)
     scheduled_sampling: ScheduledSamplingConfig = field(default_factory=ScheduledSamplingConfig)  # translation
 
     def __post_init__(self) -> None:
@@ -116,6 +119,10 @@ class TrainConfig:
               and self.max_nonfinite >= 0,
               f"train.max_nonfinite must be an integer >= 0 (0 = never stop), got {self.max_nonfinite!r}")
         check_choice("train.schedule", self.schedule, SCHEDULES)
+        for name, known in (("strategy", STRATEGIES), ("backend", BACKENDS)):
+            value = getattr(self, name)
+            check(value in known, f"train.{name} must be one of {', '.join(known)}, got {value!r}"
+                                  f"{did_you_mean(value, known)}")
         check(self.compile_mode in ("default", "reduce-overhead", "max-autotune"),
               f"train.compile_mode must be default, reduce-overhead or max-autotune, got {self.compile_mode!r}")
         if self.min_lr is None:

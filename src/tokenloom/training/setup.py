@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import warnings
 from pathlib import Path
 
@@ -11,16 +12,21 @@ from ..checkpoint import checkpoint_damage, load_tokenizer, load_weights, read_c
 from ..errors import CheckpointError, ConfigError
 from ..tasks import TASKS
 from .config import RunConfig
+from .distributed import SINGLE, Distributed
 from .trainer import HISTORY_DIR, Trainer
 
 
 def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
-              show_progress: bool | None = None) -> Trainer:
+              show_progress: bool | None = None, dist: Distributed = SINGLE) -> Trainer:
     """Tokenizer, data, model and Trainer for ``config`` in ``run_dir``. With ``resume`` the weights,
     tokenizer, optimizer, schedule, RNG states and step come from ``run_dir``'s checkpoint, so the run
     continues exactly where it stopped. With ``train.init_from`` (fine-tuning) a fresh run starts from
     another checkpoint's weights and tokenizer, its model settings overridden by the recipe's ``model``.
-    Tasks without a tokenizer (``uses_tokenizer = False``: image classification) get None."""
+    Tasks without a tokenizer (``uses_tokenizer = False``: image classification) get None.
+
+    Distributed (``dist``): rank 0 prepares the data (and trains the tokenizer) first; the other ranks then
+    take its tokenizer and reuse the prepared files. Every rank builds the same initial weights (one seed);
+    dropout streams differ per rank."""
     run_dir = Path(run_dir)
     check_writable(run_dir)  # before any data is prepared or a step is trained
     t = config.train
@@ -39,10 +45,16 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
     if t.threads:
         torch.set_num_threads(t.threads)
     torch.manual_seed(t.seed)
+    if dist.active and not dist.is_main:
+        tokenizer = dist.broadcast_object(None)  # waits until rank 0 has prepared the data
     task, model, tokenizer, section = task_cls.setup(
         config.data_config, model_section, run_dir, batch_size=t.batch_size, seq_len=t.seq_len,
         label_smoothing=t.label_smoothing, eval_batches=t.eval_batches, tokenizer=tokenizer, seed=t.seed,
         **({"scheduled_sampling": t.scheduled_sampling} if t.scheduled_sampling.schedule != "none" else {}))
+    if dist.active and dist.is_main:
+        dist.broadcast_object(tokenizer)
+    if dist.rank:
+        torch.manual_seed(t.seed + 1_000_003 * dist.rank)  # this rank's dropout stream (rank 0 keeps seed's)
     if t.activation_checkpointing:
         model_config = getattr(model, "config", None)
         if not hasattr(model_config, "gradient_checkpointing"):
@@ -60,7 +72,7 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
             raise ConfigError(f"train.init_from={t.init_from}: {err} (the recipe's model section may only change "
                               f"settings that keep the weights, e.g. dropout, attention)") from None
     trainer = Trainer(config, model, task, run_dir, tokenizer=tokenizer, model_section=section,
-                      show_progress=show_progress)
+                      show_progress=show_progress, dist=dist)
     if resume:
         trainer.load_state(checkpoint)
     return trainer
@@ -89,7 +101,7 @@ def check_writable(run_dir: Path) -> None:
     """Create ``run_dir`` if needed and prove it takes files; a one-line error otherwise."""
     try:
         run_dir.mkdir(parents=True, exist_ok=True)
-        probe = run_dir / ".write-test"
+        probe = run_dir / f".write-test-{os.getpid()}"
         probe.write_bytes(b"")
         probe.unlink()
     except OSError as err:

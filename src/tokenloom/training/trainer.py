@@ -3,7 +3,9 @@
 The task supplies batches, the loss and the evaluation (``tasks/``); the Trainer owns the loop:
 AdamW with decay/no-decay groups, a warmup + decay schedule, gradient accumulation and clipping,
 bf16 autocast, periodic evaluation, atomic checkpoints, exact resume, a clean stop on Ctrl-C, a
-progress bar and ``metrics.jsonl`` in the run directory.
+progress bar and ``metrics.jsonl`` in the run directory. Under torchrun it is one of several processes
+(``train.strategy`` ddp / fsdp, see ``distributed.py``): each trains on its slice of the global batch,
+rank 0 logs and writes the checkpoints.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import random
 import shutil
 import signal
 import time
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,9 +32,11 @@ from tqdm.auto import tqdm
 from ..checkpoint import STATE_FILE, resolve_checkpoint, write_checkpoint
 from ..errors import CheckpointError, TrainingError
 from ..nn.modes import eval_mode
+from . import distributed
 from .compile import CompiledForward
 from .config import RunConfig
-from .optim import create_optimizer
+from .distributed import SINGLE, Distributed
+from .optim import create_optimizer, load_named_optimizer_state, named_optimizer_state
 from .precision import MasterWeights, autocast
 from .schedules import create_scheduler
 
@@ -41,19 +46,29 @@ HISTORY_DIR = "history"  # <run>/history/step-NNNNNNNN: earlier checkpoints (tra
 class Trainer:
     def __init__(self, config: RunConfig, model: nn.Module, task: Any, run_dir: str | Path, *,
                  tokenizer: Any = None, model_section: dict[str, Any] | None = None,
-                 show_progress: bool | None = None) -> None:
+                 show_progress: bool | None = None, dist: Distributed = SINGLE) -> None:
         self.config, self.model, self.task = config, model, task
         self.run_dir = Path(run_dir)
         self.tokenizer = tokenizer
         self.model_section = model_section or dict(config.model)
+        self.dist = dist
         t = config.train
-        # bf16: the optimizer updates float32 masters; the model runs in bf16 during fit()
-        self.master = MasterWeights(model) if t.precision == "bf16" else None
+        if dist.world_size > 1:
+            if not hasattr(task, "shard"):
+                raise TrainingError(f"{type(task).__name__} cannot split its batches across processes")
+            task.shard(dist.rank, dist.world_size)
+        self.fsdp = dist.strategy == "fsdp"
+        if self.fsdp:  # sharded in place, before the optimizer sees the (now sharded) parameters
+            distributed.fully_shard_model(model, t.precision)
+        # bf16: the optimizer updates float32 masters; the model runs in bf16 during fit() (FSDP: its sharded
+        # float32 parameters are the masters, its mixed-precision policy computes in bf16)
+        self.master = MasterWeights(model) if t.precision == "bf16" and not self.fsdp else None
         params = self.master.masters if self.master else model
         self.optimizer = create_optimizer(params, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas))
         self.scheduler = create_scheduler(self.optimizer, t.schedule, warmup_steps=t.warmup_steps,
                                           max_steps=t.max_steps, min_ratio=t.min_lr / t.lr)
-        self.generator = torch.Generator().manual_seed(t.seed)  # the data order
+        self.generator = torch.Generator().manual_seed(t.seed)  # the data order (the same on every rank)
+        self.ddp: nn.Module | None = None  # DistributedDataParallel, built in fit() once the model has its dtype
         self.forward_model = CompiledForward(model, t.compile_mode) if t.compile else model  # what the loss calls
         self.step = 0
         self.show_progress = show_progress
@@ -79,24 +94,37 @@ class Trainer:
         return data
 
     def save(self) -> Path:
-        """Write the checkpoint (weights, config, tokenizer, trainer state) atomically."""
+        """Write the checkpoint (weights, config, tokenizer, trainer state) atomically. Distributed: every rank
+        takes part (full state dicts are gathered, each rank's random states collected); rank 0 writes."""
+        weights, optimizer = self._weights(), self._optimizer_state()
+        rngs = self.dist.gather_objects({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+                                         "python": random.getstate()})
 
         def save_state(tmp: Path) -> None:
             torch.save({
                 "step": self.step,
-                "optimizer": self.optimizer.state_dict(),
+                "optimizer": optimizer,
                 "scheduler": self.scheduler.state_dict(),
                 "generator": self.generator.get_state(),
-                "torch_rng": torch.get_rng_state(),
-                "numpy_rng": np.random.get_state(),
-                "python_rng": random.getstate(),
+                "torch_rng": rngs[0]["torch"],  # rank 0's (the single-process layout)
+                "numpy_rng": rngs[0]["numpy"],
+                "python_rng": rngs[0]["python"],
+                "rank_rng": rngs,  # every rank's, in rank order
+                "global_batch": self._global_batch(),
+                "strategy": self.dist.strategy,
                 "last_eval": self.last_eval,
                 "best": self.best,
                 "nonfinite_steps": self.nonfinite_steps,
                 "task": self.task.state_dict() if hasattr(self.task, "state_dict") else None,
             }, tmp / STATE_FILE)
 
-        weights = self._weights()
+        if self.dist.is_main:
+            self._write(weights, save_state)
+        self.saved_step = self.step
+        self.dist.barrier()  # the checkpoint is on disk for every rank
+        return self.checkpoint_dir
+
+    def _write(self, weights: dict[str, torch.Tensor] | None, save_state: Any) -> None:
         keep = self.config.train.keep_checkpoints
         if keep > 1 and self.checkpoint_dir.exists() and self.saved_step not in (None, self.step):
             # the current checkpoint becomes history (a rename); the oldest beyond keep - 1 go
@@ -107,16 +135,34 @@ class Trainer:
             os.replace(self.checkpoint_dir, target)
             for old in sorted(history.glob("step-*"))[:-(keep - 1)]:
                 shutil.rmtree(old, ignore_errors=True)
-        path = write_checkpoint(self.checkpoint_dir, self.model, self._config_dict(), self.tokenizer,
-                                extra=save_state, state_dict=weights)
-        self.saved_step = self.step
+        write_checkpoint(self.checkpoint_dir, self.model, self._config_dict(), self.tokenizer, extra=save_state,
+                         state_dict=weights)
         if self.config.train.average_last:
             self._snapshot(weights)
-        return path
 
     def _weights(self) -> dict[str, torch.Tensor] | None:
-        """The weights a checkpoint holds: the float32 masters in bf16 mode, else the model's own."""
+        """The weights a checkpoint holds: the float32 masters in bf16 mode, else the model's own (FSDP: gathered
+        from the shards, a collective every rank calls)."""
+        if self.fsdp:
+            return distributed.full_state(self.model)[0]
         return self.master.state_dict() if self.master else None
+
+    def _param_names(self) -> dict[int, str]:
+        """id(optimizer parameter) -> the model parameter's name (bf16: the masters stand for the parameters)."""
+        named = self.model.named_parameters()
+        if self.master is not None:
+            return {id(self.master.master_of(p)): name for name, p in named if p.requires_grad}
+        return {id(p): name for name, p in named}
+
+    def _optimizer_state(self) -> dict[str, Any]:
+        """The optimizer's full state keyed by parameter name (FSDP: gathered; a collective)."""
+        if self.fsdp:
+            return distributed.full_state(self.model, self.optimizer)[1]
+        return named_optimizer_state(self.optimizer, self._param_names())
+
+    def _global_batch(self) -> dict[str, int]:
+        t = self.config.train
+        return {"world_size": self.dist.world_size, "batch_size": t.batch_size, "grad_accum_steps": t.grad_accum_steps}
 
     # -- best checkpoint and weight averaging -------------------------------------------------------
     @property
@@ -155,10 +201,12 @@ class Trainer:
             return
         value = metrics[name]
         lower = name.endswith(("_loss", "_ppl"))
-        if self.best is None or (value < self.best if lower else value > self.best):
+        if self.best is None or (value < self.best if lower else value > self.best):  # the same on every rank
             self.best = value
-            config = {**self._config_dict(), "best": {"metric": name, "value": value, "step": self.step}}
-            write_checkpoint(self.run_dir / "best", self.model, config, self.tokenizer, state_dict=self._weights())
+            weights = self._weights()
+            if self.dist.is_main:
+                config = {**self._config_dict(), "best": {"metric": name, "value": value, "step": self.step}}
+                write_checkpoint(self.run_dir / "best", self.model, config, self.tokenizer, state_dict=weights)
 
     def load_state(self, checkpoint: str | Path) -> None:
         """Restore optimizer, scheduler, RNGs and step from a checkpoint (weights are loaded by the caller)."""
@@ -167,12 +215,23 @@ class Trainer:
             raise CheckpointError(f"cannot resume: {path} is missing (the checkpoint holds weights only)")
         try:
             state = torch.load(path, weights_only=False, map_location="cpu")  # our own file: RNG tuples
-            self.optimizer.load_state_dict(state["optimizer"])
+            self._check_world(state)
+            if self.fsdp:
+                optimizer = named_optimizer_state(self.optimizer, self._param_names(), state["optimizer"])
+                distributed.load_sharded_optimizer(self.model, self.optimizer, optimizer)
+            else:
+                load_named_optimizer_state(self.optimizer, state["optimizer"], self._param_names())
             self.scheduler.load_state_dict(state["scheduler"])
             self.generator.set_state(state["generator"])
-            torch.set_rng_state(state["torch_rng"])
-            np.random.set_state(state["numpy_rng"])
-            random.setstate(state["python_rng"])
+            rngs = state.get("rank_rng") or [{"torch": state["torch_rng"], "numpy": state["numpy_rng"],
+                                              "python": state["python_rng"]}]
+            if self.dist.rank < len(rngs):
+                torch.set_rng_state(rngs[self.dist.rank]["torch"])
+                np.random.set_state(rngs[self.dist.rank]["numpy"])
+                random.setstate(rngs[self.dist.rank]["python"])
+            else:  # a rank the checkpoint did not have (more processes than before): its own streams
+                seed = self.config.train.seed + 1_000_003 * self.dist.rank + int(state["step"])
+                torch.manual_seed(seed), np.random.seed(seed % 2**32), random.seed(seed)
             self.step = int(state["step"])
             self.saved_step = self.step
             self.last_eval = dict(state.get("last_eval", {}))
@@ -183,13 +242,43 @@ class Trainer:
         except (OSError, RuntimeError, KeyError, ValueError, EOFError) as err:
             raise CheckpointError(f"{path} is truncated or corrupt ({str(err).splitlines()[0]})") from None
 
+    def _check_world(self, state: dict[str, Any]) -> None:
+        """Resuming with another number of processes: the data position, schedule and step count are in updates
+        of the checkpoint's global batch, so that batch must stay; the per-rank random streams (dropout) cannot
+        be carried over (a warning: the run continues correctly, not bit for bit)."""
+        saved = state.get("global_batch") or {"world_size": 1, "batch_size": self.config.train.batch_size,
+                                               "grad_accum_steps": self.config.train.grad_accum_steps}
+        now = self._global_batch()
+        if saved["world_size"] == now["world_size"]:
+            return
+        before = saved["world_size"] * saved["batch_size"] * saved["grad_accum_steps"]
+        after = now["world_size"] * now["batch_size"] * now["grad_accum_steps"]
+        if before != after:
+            need = before // (now["world_size"] * now["batch_size"])
+            hint = (f"--set train.grad_accum_steps={need}" if need * now["world_size"] * now["batch_size"] == before
+                    else f"train.batch_size x train.grad_accum_steps = {before / now['world_size']:g}")
+            raise CheckpointError(
+                f"cannot resume: the checkpoint was written by {saved['world_size']} process(es) x batch "
+                f"{saved['batch_size']} x {saved['grad_accum_steps']} accumulation step(s) = {before} per update, "
+                f"this run has {now['world_size']} x {now['batch_size']} x {now['grad_accum_steps']} = {after}; its "
+                f"data position and schedule count updates of {before}: keep the global batch ({hint}) or start a new "
+                "run with train.init_from")
+        if self.dist.is_main:
+            warnings.warn(f"resuming a {saved['world_size']}-process checkpoint with {now['world_size']} process(es): "
+                          "the data continues where it stopped, but each rank's dropout stream starts anew, so the "
+                          "run will not repeat an uninterrupted one bit for bit", stacklevel=3)
+
     # -- the loop -----------------------------------------------------------------------------
     def _log(self, record: dict[str, Any]) -> None:
+        if not self.dist.is_main:
+            return
         with open(self.run_dir / "metrics.jsonl", "a") as fh:
             fh.write(json.dumps(record) + "\n")
 
     def evaluate(self) -> dict[str, float]:
-        with eval_mode(self.model), autocast(self.config.train.precision), torch.no_grad():
+        """Every rank evaluates the whole validation set (identical results); rank 0 logs."""
+        gathered = distributed.unsharded(self.model) if self.fsdp else contextlib.nullcontext()
+        with eval_mode(self.model), autocast(self.config.train.precision), torch.no_grad(), gathered:
             metrics = self.task.evaluate(self.model)
         metrics.pop("tokens", None)
         self.last_eval = metrics
@@ -218,27 +307,42 @@ class Trainer:
             signal.signal(signal.SIGINT, previous)
 
     def train_step(self) -> tuple[float, int]:
-        """One optimizer update over ``grad_accum_steps`` micro-batches: (mean loss, tokens)."""
+        """One optimizer update over ``grad_accum_steps`` micro-batches: (mean loss, tokens), both over the global
+        batch when distributed."""
         t = self.config.train
         total_loss, tokens = 0.0, 0
         if hasattr(self.task, "step"):
             self.task.step = self.step
-        for _ in range(t.grad_accum_steps):
+        for i in range(t.grad_accum_steps):
             batch = self.task.get_batch(self.generator)
-            with autocast(t.precision):
+            with autocast(t.precision), self._gradient_sync(i == t.grad_accum_steps - 1):
                 loss, n = self.task.loss(self.forward_model, batch)
-            (loss / t.grad_accum_steps).backward()
+                weight = 1.0
+                if self.dist.world_size > 1:
+                    # the global batch's mean: each rank's mean weighted by its share of the tokens (images)
+                    loss_sum, n_all = self.dist.all_reduce_sum([loss.item() * n, n])
+                    weight = self.dist.world_size * n / n_all
+                    total_loss += loss_sum / n_all / t.grad_accum_steps
+                    tokens += int(n_all)
+                else:
+                    total_loss += loss.item() / t.grad_accum_steps
+                    tokens += n
+                if weight != 1.0:
+                    loss = loss * weight
+                (loss / t.grad_accum_steps).backward()
             if self.master is not None:
                 self.master.accumulate_grads()
-            total_loss += loss.item() / t.grad_accum_steps
-            tokens += n
         params = self.master.masters if self.master is not None else list(self.model.parameters())
+        if self.master is not None and self.dist.world_size > 1:
+            self._average_master_grads()
         if t.grad_clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         else:
             grads = [p.grad for p in params if p.grad is not None]
             total_norm = getattr(torch.nn.utils, "get_total_norm", None)  # torch >= 2.6
             norm = total_norm(grads) if total_norm is not None else torch.nn.utils.clip_grad_norm_(params, math.inf)
+        if hasattr(norm, "full_tensor"):  # FSDP: a DTensor
+            norm = norm.full_tensor()
         if not (math.isfinite(total_loss) and bool(torch.isfinite(norm))):
             # a NaN/Inf loss or gradient: no update (the weights, moments and schedule stay), the batch is spent
             self.optimizer.zero_grad(set_to_none=True)
@@ -259,6 +363,48 @@ class Trainer:
         self.step += 1
         return total_loss, tokens
 
+    def _gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
+        """DDP / FSDP: communicate gradients only in the last micro-batch of an update."""
+        if self.ddp is not None and not last:
+            return self.ddp.no_sync()
+        if self.fsdp:
+            self.model.set_requires_gradient_sync(last)
+        return contextlib.nullcontext()
+
+    @torch.no_grad()
+    def _average_master_grads(self) -> None:
+        """bf16 with master weights under DDP: the float32 master gradients, averaged in one all-reduce."""
+        import torch.distributed as dist
+
+        masters = self.master.masters
+        flat = torch.cat([(m.grad if m.grad is not None else torch.zeros_like(m)).reshape(-1) for m in masters])
+        dist.all_reduce(flat)
+        flat /= self.dist.world_size
+        for m, chunk in zip(masters, flat.split([m.numel() for m in masters]), strict=True):
+            m.grad = chunk.view_as(m)
+
+    def _wrap_for_training(self) -> None:
+        """DDP: wrap the model once it holds its training dtype (fp32 / bf16-autocast; in bf16 the float32 master
+        gradients are averaged instead, see :meth:`_average_master_grads`)."""
+        if self.dist.strategy != "ddp" or self.ddp is not None or self.master is not None:
+            return
+        import inspect
+
+        from torch.nn.parallel import DistributedDataParallel
+
+        # buffers (position tables, masks) are computed alike on every rank: nothing to broadcast per forward
+        quiet = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
+                 inspect.signature(DistributedDataParallel).parameters else {"broadcast_buffers": False})
+        self.ddp = DistributedDataParallel(self.model, **quiet)
+        t = self.config.train
+        self.forward_model = CompiledForward(self.ddp, t.compile_mode) if t.compile else self.ddp
+
+    def _agree(self, *flags: bool) -> list[bool]:
+        """Stop decisions every rank must share (a clock, a signal): true on one rank -> true on all."""
+        if not self.dist.active:
+            return list(flags)
+        return [v > 0 for v in self.dist.all_reduce_sum([float(f) for f in flags])]
+
     def fit(self) -> dict[str, Any]:
         """Train until ``max_steps`` (or ``max_minutes``, or Ctrl-C); returns the final metrics."""
         t = self.config.train
@@ -267,9 +413,11 @@ class Trainer:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         if self.master is not None:
             self.master.to_low()
+        self._wrap_for_training()
         self.model.train()
         start_step, start_time = self.step, time.perf_counter()
-        bar = tqdm(total=t.max_steps, initial=self.step, disable=self.show_progress is False or None,
+        bar = tqdm(total=t.max_steps, initial=self.step,
+                   disable=self.show_progress is False or not self.dist.is_main or None,
                    dynamic_ncols=True, desc="train")
         window_tokens, window_start, loss = 0, time.perf_counter(), float("nan")
         stopped_by = "max_steps"
@@ -287,7 +435,7 @@ class Trainer:
                     if self.nonfinite_steps != skipped_before:
                         self._log({"step": self.step, "skipped": "non_finite", "loss": str(loss),
                                    "nonfinite_steps": self.nonfinite_steps})
-                    if self._stop_requested:
+                    if self._agree(self._stop_requested)[0]:
                         stopped_by = "interrupt"
                         break
                     continue
@@ -297,23 +445,27 @@ class Trainer:
                     elapsed = time.perf_counter() - window_start
                     tps = window_tokens / max(elapsed, 1e-9)
                     lr = self.scheduler.get_last_lr()[0]
-                    self._log({"step": self.step, "loss": round(loss, 5), "lr": lr, "tokens_per_s": round(tps, 1),
+                    self._log({"step": self.step, "loss": round(loss, 7), "lr": lr, "tokens_per_s": round(tps, 1),
                                "elapsed_s": round(time.perf_counter() - start_time, 2)})
                     bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
                     window_tokens, window_start = 0, time.perf_counter()
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
                     metrics = self.evaluate()
-                    bar.write(f"step {self.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in metrics.items()
-                                                                 if k.startswith("val_") and not k.endswith("ppl")))
+                    if self.dist.is_main:
+                        shown = {k: v for k, v in metrics.items() if k.startswith("val_") and not k.endswith("ppl")}
+                        bar.write(f"step {self.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in shown.items()))
                 if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.max_steps:
                     self.save()
-                if self._stop_requested:
+                interrupted, out_of_time = self._agree(
+                    self._stop_requested,
+                    t.max_minutes is not None and time.perf_counter() - start_time > 60 * t.max_minutes)
+                if interrupted:
                     stopped_by = "interrupt"
                     break
                 if t.stop_after_steps is not None and self.step - start_step >= t.stop_after_steps:
                     stopped_by = "stop_after_steps"
                     break
-                if t.max_minutes is not None and time.perf_counter() - start_time > 60 * t.max_minutes:
+                if out_of_time:
                     stopped_by = "max_minutes"
                     break
             bar.close()
@@ -323,7 +475,7 @@ class Trainer:
             self.save()
             if failure is not None:
                 raise failure
-            if self.config.train.average_last and stopped_by in ("max_steps", "max_minutes"):
+            if self.config.train.average_last and stopped_by in ("max_steps", "max_minutes") and self.dist.is_main:
                 self.average_snapshots()
         elapsed = time.perf_counter() - start_time
         summary = {"step": self.step, "train_loss": loss, **metrics, "stopped_by": stopped_by,
