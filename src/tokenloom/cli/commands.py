@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import tempfile
 import time
@@ -58,7 +59,13 @@ def train(args: argparse.Namespace) -> int:
         how = f", {where.world_size} processes ({where.strategy}, {where.backend})" if where.active else ""
         say(f"training {config.task} model ({n_params / 1e6:.2f}M parameters, {t.precision}{how}) for "
             f"{t.max_steps} steps from step {trainer.step} -> {out}")
-        summary = trainer.fit()
+        try:
+            summary = trainer.fit()
+        except RuntimeError as err:
+            if not where.active or not _lost_peer(err):
+                raise
+            raise TrainingError(f"process {where.rank}: lost contact with the other training processes "
+                                f"({str(err).splitlines()[0][-160:]})") from None
     say(f"step {summary['step']}: train_loss {summary['train_loss']:.4f}  "
         f"val_loss {summary.get('val_loss', float('nan')):.4f}  "
         + (f"val_acc {summary['val_acc']:.2f}  " if "val_acc" in summary else "")
@@ -69,6 +76,16 @@ def train(args: argparse.Namespace) -> int:
         _stream_text(model, trainer.tokenizer, "\n", _gen_config(max_new_tokens=args.sample, temperature=0.8,
                                                                   top_k=40, seed=t.seed))
     return 0
+
+
+def _lost_peer(err: RuntimeError) -> bool:
+    """A collective that failed because another process died or hung (gloo's connection errors, timeouts)."""
+    import torch.distributed as dist
+
+    kinds = tuple(getattr(dist, name) for name in ("DistError", "DistBackendError", "DistNetworkError")
+                  if hasattr(dist, name))
+    text = str(err)
+    return isinstance(err, kinds) or "gloo" in text or "Connection reset" in text or "Connection closed" in text
 
 
 def _launch(args: argparse.Namespace) -> int:
@@ -86,19 +103,20 @@ def _launch(args: argparse.Namespace) -> int:
         command += ["--set", override]
     command += ["--resume"] * args.resume + (["--sample", str(args.sample)] if args.sample else [])
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // args.nproc)))
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)  # our own lines say it
     config = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=args.nproc, run_id=str(uuid.uuid4()),
                           rdzv_backend="c10d", rdzv_endpoint="localhost:0", max_restarts=args.max_restarts,
                           monitor_interval=0.5)
     try:
         elastic_launch(config, sys.executable)(*command)
     except ChildFailedError as err:
-        failures = sorted(err.failures.items())
-        rank, failure = failures[0]
-        raise TrainingError(f"training process {rank} failed (exit code {failure.exitcode}"
-                            + (f", after {args.max_restarts} restart(s)" if args.max_restarts else "")
-                            + "): see its message above; the newest intact checkpoint stays in "
-                            + f"{args.out} (continue with --resume)") from None
+        rank, failure = err.get_first_failure()  # the root cause; the launcher stopped the others
+        code = failure.exitcode
+        how = (f"was killed by {signal.Signals(-code).name}" if code < 0 and -code in signal.valid_signals()
+               else f"failed with exit code {code} (its message is above)")
+        restarts = f" after {args.max_restarts} restart(s)" if args.max_restarts else ""
+        raise TrainingError(f"training process {rank} {how}{restarts}; the newest intact checkpoint stays in "
+                            f"{args.out} (continue with --resume)") from None
     return 0
 
 

@@ -160,9 +160,22 @@ def start(strategy: str, backend: str = "auto", timeout_minutes: float = 30.0) -
     else:
         rank, size, local = world
     if not dist.is_initialized():
-        dist.init_process_group(backend, rank=rank, world_size=size,
-                                timeout=datetime.timedelta(minutes=timeout_minutes))
+        timeout = datetime.timedelta(minutes=timeout_minutes)
+        dist.init_process_group(backend, store=_store(rank, size, timeout), rank=rank, world_size=size,
+                                timeout=timeout)
     return Distributed(strategy=strategy, rank=rank, world_size=size, local_rank=local, backend=backend)
+
+
+def _store(rank: int, size: int, timeout: datetime.timedelta) -> Any:
+    """The rendezvous store (``MASTER_ADDR:MASTER_PORT``, as torchrun's env:// would make it), its keys prefixed
+    with the restart count: after an elastic restart the launcher's store still holds the previous attempt's
+    keys, and gloo would otherwise connect to the dead processes' addresses."""
+    import torch.distributed as dist
+
+    agent_hosts = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world_size=size,
+                          is_master=rank == 0 and not agent_hosts, timeout=timeout, multi_tenant=not agent_hosts)
+    return dist.PrefixStore(f"tokenloom/attempt-{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", store)
 
 
 def stop(where: Distributed) -> None:
