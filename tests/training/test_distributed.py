@@ -259,15 +259,46 @@ def test_image_shards_are_slices_of_the_global_batch():
     assert ranks[0].state_dict() == one.state_dict() and one.state_dict()["offset"] == 24
 
 
-def test_translation_ranks_take_consecutive_batches(tmp_path):
-    from tokenloom.tasks.translation import TranslationDataConfig
-
+def parallel_corpus(root):
     rng = random.Random(0)
     words = "red blue green house dog cat runs sleeps".split()
     for name, n in (("train", 120), ("val", 10)):
         pairs = [rng.choices(words, k=rng.randint(2, 6)) for _ in range(n)]
-        (tmp_path / f"{name}.xx").write_text("".join(" ".join(p) + "\n" for p in pairs))
-        (tmp_path / f"{name}.yy").write_text("".join(" ".join(reversed(p)).upper() + "\n" for p in pairs))
+        (root / f"{name}.xx").write_text("".join(" ".join(p) + "\n" for p in pairs))
+        (root / f"{name}.yy").write_text("".join(" ".join(reversed(p)).upper() + "\n" for p in pairs))
+
+
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp"])
+def test_wrapped_losses_that_call_several_model_methods_equal_one_process(tmp_path, strategy):
+    """NAT (cmlm: encoder, length head, parallel decoder) through DDP / FSDP in a group of one process: the same
+    updates as without them, and evaluation (BLEU by iterative decoding) runs on the gathered weights."""
+    from tokenloom.training.distributed import session
+
+    parallel_corpus(tmp_path)
+    recipe = {"task": "nat_translation",
+              "model": {"family": "nat", "kind": "cmlm", "encoder_layers": 1, "decoder_layers": 1, "num_heads": 2,
+                        "embed_dim": 16, "dropout": 0.0},
+              "data": {"dir": str(tmp_path), "source_lang": "xx", "target_lang": "yy", "test": [], "vocab_size": 300,
+                       "max_source_len": 32, "max_target_len": 32, "max_tokens": 128, "bleu_sentences": 5,
+                       "iterations": 2},
+              "train": {"max_steps": 4, "eval_every": 2, "eval_batches": 2, "checkpoint_every": 0, "warmup_steps": 1,
+                        "precision": "fp32"}}
+    finals = {}
+    for name in ("single", strategy):
+        config = load_run_config(recipe, [f"train.strategy={name}"])
+        with session(name) as where:
+            trainer = setup_run(config, tmp_path / name, show_progress=False, dist=where)
+            summary = trainer.fit()
+        assert "val_bleu" in summary
+        finals[name] = weights(tmp_path / name), summary["val_loss"]
+    (a, loss_a), (b, loss_b) = finals["single"], finals[strategy]
+    assert max((a[k] - b[k]).abs().max().item() for k in a) < 1e-5 and abs(loss_a - loss_b) < 1e-5
+
+
+def test_translation_ranks_take_consecutive_batches(tmp_path):
+    from tokenloom.tasks.translation import TranslationDataConfig
+
+    parallel_corpus(tmp_path)
     data = TranslationDataConfig(dir=str(tmp_path), source_lang="xx", target_lang="yy", test=[], vocab_size=300,
                                  max_source_len=32, max_target_len=32, max_tokens=128, bleu=False)
     base = TranslationTask.setup(data, {"encoder_layers": 1, "decoder_layers": 1, "num_heads": 2, "embed_dim": 16},

@@ -207,16 +207,43 @@ def shard_units(model: nn.Module) -> list[nn.Module]:
     return units
 
 
-def fully_shard_model(model: nn.Module, precision: str) -> nn.Module:
-    """Shard ``model`` in place (FSDP2): each block, then the root."""
+class TaskLoss(nn.Module):
+    """A task's training loss as one module call, ``(loss, count) = TaskLoss(task, model)(batch)``: DDP and FSDP
+    act around ``forward()`` only, and some losses call several of the model's methods (NAT: encode, length
+    head, parallel decoder; scheduled sampling: two decoder passes). ``forward`` is what the loss calls (the
+    model, or its compiled form)."""
+
+    PREFIX = "model."  # the model's parameter names inside the wrapper
+
+    def __init__(self, task: Any, model: nn.Module, forward: Any = None) -> None:
+        super().__init__()
+        self.model, self.task = model, task
+        self.__dict__["call"] = forward if forward is not None else model  # not registered again: one name each
+
+    def forward(self, batch: Any) -> tuple[torch.Tensor, int]:
+        return self.task.loss(self.call, batch)
+
+
+def fully_shard_model(root: TaskLoss, precision: str) -> TaskLoss:
+    """Shard the wrapped model in place (FSDP2): each block, then the wrapper as the root (its forward gathers
+    the embeddings, head and final norm for the whole loss)."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
               if precision == "bf16" else MixedPrecisionPolicy())
-    for unit in shard_units(model):
+    for unit in shard_units(root.model):
         fully_shard(unit, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
-    return model
+    fully_shard(root, mp_policy=policy)
+    return root
+
+
+def _strip(name: str) -> str:
+    return name[len(TaskLoss.PREFIX):] if name.startswith(TaskLoss.PREFIX) else name
+
+
+def _rename_optimizer_state(state: dict[str, Any], rename: Any) -> dict[str, Any]:
+    return {"state": {rename(k): v for k, v in state["state"].items()},
+            "param_groups": [{**g, "params": [rename(n) for n in g["params"]]} for g in state["param_groups"]]}
 
 
 def fsdp_modules(model: nn.Module) -> list[nn.Module]:
@@ -241,25 +268,28 @@ def unsharded(model: nn.Module) -> Iterator[None]:
             m.set_reshard_after_forward(True)
 
 
-def full_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None
+def full_state(root: TaskLoss, optimizer: torch.optim.Optimizer | None = None
                ) -> tuple[dict[str, torch.Tensor], dict[str, Any] | None]:
     """The sharded model's full state dict (and the optimizer's, keyed by parameter name), gathered on every
-    rank, on the CPU. A collective: every rank calls it."""
+    rank, on the CPU, named as the plain model names them. A collective: every rank calls it."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
 
     options = StateDictOptions(full_state_dict=True)
-    weights = {k: v.detach().cpu() for k, v in get_model_state_dict(model, options=options).items()}
+    weights = {_strip(k): v.detach().cpu() for k, v in get_model_state_dict(root, options=options).items()}
     first: dict[int, str] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):  # tied weights: one tensor, as unsharded
+    for name, param in root.model.named_parameters(remove_duplicate=False):  # tied weights: one tensor
         if id(param) in first and name in weights:
             weights[name] = weights[first[id(param)]]
         first.setdefault(id(param), name)
-    optim = get_optimizer_state_dict(model, optimizer, options=options) if optimizer is not None else None
+    optim = None
+    if optimizer is not None:
+        optim = _rename_optimizer_state(get_optimizer_state_dict(root, optimizer, options=options), _strip)
     return weights, optim
 
 
-def load_sharded_optimizer(model: nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+def load_sharded_optimizer(root: TaskLoss, optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Load a full, name-keyed optimizer state into the sharded optimizer (every rank holds the full state)."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
-    set_optimizer_state_dict(model, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))
+    state = _rename_optimizer_state(state, lambda name: TaskLoss.PREFIX + name)
+    set_optimizer_state_dict(root, optimizer, optim_state_dict=state, options=StateDictOptions(full_state_dict=True))

@@ -58,8 +58,11 @@ class Trainer:
                 raise TrainingError(f"{type(task).__name__} cannot split its batches across processes")
             task.shard(dist.rank, dist.world_size)
         self.fsdp = dist.strategy == "fsdp"
+        self.forward_model = CompiledForward(model, t.compile_mode) if t.compile else model  # what the loss calls
+        # DDP / FSDP wrap the whole loss computation (TaskLoss), not just the model's forward
+        self.wrapper = distributed.TaskLoss(task, model, self.forward_model) if dist.strategy != "single" else None
         if self.fsdp:  # sharded in place, before the optimizer sees the (now sharded) parameters
-            distributed.fully_shard_model(model, t.precision)
+            distributed.fully_shard_model(self.wrapper, t.precision)
         # bf16: the optimizer updates float32 masters; the model runs in bf16 during fit() (FSDP: its sharded
         # float32 parameters are the masters, its mixed-precision policy computes in bf16)
         self.master = MasterWeights(model) if t.precision == "bf16" and not self.fsdp else None
@@ -69,7 +72,6 @@ class Trainer:
                                           max_steps=t.max_steps, min_ratio=t.min_lr / t.lr)
         self.generator = torch.Generator().manual_seed(t.seed)  # the data order (the same on every rank)
         self.ddp: nn.Module | None = None  # DistributedDataParallel, built in fit() once the model has its dtype
-        self.forward_model = CompiledForward(model, t.compile_mode) if t.compile else model  # what the loss calls
         self.step = 0
         self.show_progress = show_progress
         self.last_eval: dict[str, float] = {}
@@ -144,7 +146,7 @@ class Trainer:
         """The weights a checkpoint holds: the float32 masters in bf16 mode, else the model's own (FSDP: gathered
         from the shards, a collective every rank calls)."""
         if self.fsdp:
-            return distributed.full_state(self.model)[0]
+            return distributed.full_state(self.wrapper)[0]
         return self.master.state_dict() if self.master else None
 
     def _param_names(self) -> dict[int, str]:
@@ -157,7 +159,7 @@ class Trainer:
     def _optimizer_state(self) -> dict[str, Any]:
         """The optimizer's full state keyed by parameter name (FSDP: gathered; a collective)."""
         if self.fsdp:
-            return distributed.full_state(self.model, self.optimizer)[1]
+            return distributed.full_state(self.wrapper, self.optimizer)[1]
         return named_optimizer_state(self.optimizer, self._param_names())
 
     def _global_batch(self) -> dict[str, int]:
@@ -218,7 +220,7 @@ class Trainer:
             self._check_world(state)
             if self.fsdp:
                 optimizer = named_optimizer_state(self.optimizer, self._param_names(), state["optimizer"])
-                distributed.load_sharded_optimizer(self.model, self.optimizer, optimizer)
+                distributed.load_sharded_optimizer(self.wrapper, self.optimizer, optimizer)
             else:
                 load_named_optimizer_state(self.optimizer, state["optimizer"], self._param_names())
             self.scheduler.load_state_dict(state["scheduler"])
@@ -277,7 +279,7 @@ class Trainer:
 
     def evaluate(self) -> dict[str, float]:
         """Every rank evaluates the whole validation set (identical results); rank 0 logs."""
-        gathered = distributed.unsharded(self.model) if self.fsdp else contextlib.nullcontext()
+        gathered = distributed.unsharded(self.wrapper) if self.fsdp else contextlib.nullcontext()
         with eval_mode(self.model), autocast(self.config.train.precision), torch.no_grad(), gathered:
             metrics = self.task.evaluate(self.model)
         metrics.pop("tokens", None)
@@ -316,7 +318,7 @@ class Trainer:
         for i in range(t.grad_accum_steps):
             batch = self.task.get_batch(self.generator)
             with autocast(t.precision), self._gradient_sync(i == t.grad_accum_steps - 1):
-                loss, n = self.task.loss(self.forward_model, batch)
+                loss, n = self._loss(batch)
                 weight = 1.0
                 if self.dist.world_size > 1:
                     # the global batch's mean: each rank's mean weighted by its share of the tokens (images)
@@ -368,7 +370,7 @@ class Trainer:
         if self.ddp is not None and not last:
             return self.ddp.no_sync()
         if self.fsdp:
-            self.model.set_requires_gradient_sync(last)
+            self.wrapper.set_requires_gradient_sync(last)
         return contextlib.nullcontext()
 
     @torch.no_grad()
@@ -395,9 +397,14 @@ class Trainer:
         # buffers (position tables, masks) are computed alike on every rank: nothing to broadcast per forward
         quiet = ({"forward_sync_buffers": False} if "forward_sync_buffers" in
                  inspect.signature(DistributedDataParallel).parameters else {"broadcast_buffers": False})
-        self.ddp = DistributedDataParallel(self.model, **quiet)
-        t = self.config.train
-        self.forward_model = CompiledForward(self.ddp, t.compile_mode) if t.compile else self.ddp
+        self.ddp = DistributedDataParallel(self.wrapper, **quiet)
+
+    def _loss(self, batch: Any) -> tuple[torch.Tensor, int]:
+        if self.ddp is not None:
+            return self.ddp(batch)
+        if self.fsdp:
+            return self.wrapper(batch)
+        return self.task.loss(self.forward_model, batch)
 
     def _agree(self, *flags: bool) -> list[bool]:
         """Stop decisions every rank must share (a clock, a signal): true on one rank -> true on all."""
