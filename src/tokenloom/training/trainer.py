@@ -98,7 +98,10 @@ class Trainer:
     def save(self) -> Path:
         """Write the checkpoint (weights, config, tokenizer, trainer state) atomically. Distributed: every rank
         takes part (full state dicts are gathered, each rank's random states collected); rank 0 writes."""
-        weights, optimizer = self._weights(), self._optimizer_state()
+        if self.fsdp:  # one gather for both
+            weights, optimizer = distributed.full_state(self.wrapper, self.optimizer)
+        else:
+            weights, optimizer = self._weights(), named_optimizer_state(self.optimizer, self._param_names())
         rngs = self.dist.gather_objects({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
                                          "python": random.getstate()})
 
@@ -155,12 +158,6 @@ class Trainer:
         if self.master is not None:
             return {id(self.master.master_of(p)): name for name, p in named if p.requires_grad}
         return {id(p): name for name, p in named}
-
-    def _optimizer_state(self) -> dict[str, Any]:
-        """The optimizer's full state keyed by parameter name (FSDP: gathered; a collective)."""
-        if self.fsdp:
-            return distributed.full_state(self.wrapper, self.optimizer)[1]
-        return named_optimizer_state(self.optimizer, self._param_names())
 
     def _global_batch(self) -> dict[str, int]:
         t = self.config.train
