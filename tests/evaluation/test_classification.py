@@ -78,3 +78,18 @@ def test_confusion_png(tmp_path):
     report = classification_report(one_hot_logits([0, 1, 2, 2]), torch.tensor([0, 1, 2, 1]))
     path = plot_confusion_matrix(report, tmp_path / "sub" / "cm.png")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and path.stat().st_size > 2000
+
+
+def test_expected_calibration_error():
+    from tokenloom.evaluation import expected_calibration_error
+
+    confidence = torch.full((1000,), 0.9)
+    correct = torch.arange(1000) % 10 != 0  # 90% right at 90% confidence: calibrated
+    assert expected_calibration_error(confidence, correct) == pytest.approx(0.0, abs=1e-4)
+    assert expected_calibration_error(torch.ones(10), torch.arange(10) < 5) == pytest.approx(50.0)
+    # two bins: 0.95 confident and always right (gap 5), 0.55 confident and right 25% (gap 30), equal counts
+    conf = torch.cat([torch.full((4,), 0.95), torch.full((4,), 0.55)])
+    right = torch.tensor([1, 1, 1, 1, 1, 0, 0, 0], dtype=torch.bool)
+    assert expected_calibration_error(conf, right) == pytest.approx((5.0 + 30.0) / 2)
+    with pytest.raises(ValueError, match="equally long"):
+        expected_calibration_error(torch.ones(3), torch.ones(2))

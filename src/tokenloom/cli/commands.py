@@ -434,3 +434,39 @@ def classify(args: argparse.Namespace) -> int:
     from .vision import classify as run
 
     return run(args)
+
+
+def sweep(args: argparse.Namespace) -> int:
+    from ..experiments.sweep import load_sweep, run_sweep
+
+    if args.parallel < 1:
+        raise ConfigError(f"--parallel must be >= 1, got {args.parallel}")
+    plan = load_sweep(args.sweep)
+    print(f"sweep {plan.name}: {len(plan.points)} runs of {plan.recipe} -> {args.out}", file=sys.stderr)
+    if args.dry_run:
+        for point in plan.points:
+            print(f"{point.name}: {' '.join(point.all_overrides(plan.shared))}")
+        return 0
+    results = run_sweep(plan, args.out, parallel=args.parallel, log=lambda line: print(line, file=sys.stderr))
+    bad = [r for r in results if r.get("status") != "done"]
+    print(f"{len(results) - len(bad)} done, {len(bad)} not ({', '.join(sorted({r['status'] for r in bad}))}): "
+          f"{Path(args.out) / 'results.md'}" if bad else f"{len(results)} done: {Path(args.out) / 'results.md'}",
+          file=sys.stderr)
+    return 0
+
+
+def sweep_report(args: argparse.Namespace) -> int:
+    from ..experiments.report import sweep_report as report
+
+    for path in report(args.out, args.metric):
+        print(path)
+    return 0
+
+
+def fit_scaling(args: argparse.Namespace) -> int:
+    from ..experiments.report import fit_scaling as fit
+
+    result = fit(args.out, args.metric, n_boot=args.bootstrap)
+    for name in ("N", "C"):
+        print(result["fits"][name]["summary"])
+    return 0

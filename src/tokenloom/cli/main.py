@@ -1,5 +1,5 @@
-"""``tokenloom train | generate | evaluate | translate | classify | distill | bench | viz | report | serve |
-import | export``.
+"""``tokenloom train | sweep | sweep-report | fit-scaling | generate | evaluate | translate | classify | distill |
+bench | viz | report | serve | import | export``.
 
 Errors a user can cause print one line (``error: ...``) and exit with status 2; Ctrl-C exits 130.
 """
@@ -239,6 +239,31 @@ def _add_viz(sub: argparse._SubParsersAction) -> None:
     v.set_defaults(func=_run_in("viz", "curves"))
 
 
+def _add_experiments(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("sweep", help="train a grid of recipe variants (each a run directory); resumable",
+                       description="Expand a sweep file (recipe, set, grid, runs, seeds, evaluate; see sweeps/) and "
+                                   "train every point not finished yet; results.csv / results.md collect them.")
+    p.add_argument("sweep", help="sweep YAML file")
+    p.add_argument("--out", required=True, help="sweep directory (one run directory per point)")
+    p.add_argument("--parallel", type=int, default=1, metavar="N", help="train N points at a time (default 1)")
+    p.add_argument("--dry-run", action="store_true", help="list the points and stop")
+    p.set_defaults(func=_run("sweep"))
+    r = sub.add_parser("sweep-report", help="tables (Markdown, CSV) and curves of a sweep directory",
+                       description="results.csv, results.md (every run; per swept key: mean / std / min of the "
+                                   "metric over seeds and the divergence count) and curves.png.")
+    r.add_argument("out", help="sweep directory")
+    r.add_argument("--metric", default="val_loss", help="metric of the grouped tables (default val_loss)")
+    r.set_defaults(func=_run("sweep_report"))
+    f = sub.add_parser("fit-scaling", help="fit L(N) = a*N^-alpha + c and L(C) over a sweep, with bootstrap "
+                                           "intervals",
+                       description="Power-law fits of the final metric against non-embedding parameters N and "
+                                   "compute C = 6ND over a sweep's runs: scaling.json, scaling.md, scaling-*.png.")
+    f.add_argument("out", help="sweep directory")
+    f.add_argument("--metric", default="val_loss")
+    f.add_argument("--bootstrap", type=int, default=1000, help="bootstrap resamples (default 1000)")
+    f.set_defaults(func=_run("fit_scaling"))
+
+
 def _add_report(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("report", help="one self-contained report.html of a run (config, curves, samples, "
                                       "metrics, attention)",
@@ -346,6 +371,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version="tokenloom 0.1.0")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     _add_train(sub)
+    _add_experiments(sub)
     _add_generate(sub)
     _add_evaluate(sub)
     _add_translate(sub)

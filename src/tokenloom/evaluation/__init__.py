@@ -5,6 +5,7 @@ from .classification import (
     ClassificationReport,
     classification_report,
     confusion_matrix,
+    expected_calibration_error,
     format_report,
     plot_confusion_matrix,
     topk_accuracy,
@@ -12,4 +13,5 @@ from .classification import (
 from .metrics import METRICS, MetricResult, compute_metrics, format_metrics
 
 __all__ = ["METRICS", "ClassificationReport", "MetricResult", "classification_report", "compute_metrics",
-           "confusion_matrix", "format_metrics", "format_report", "plot_confusion_matrix", "topk_accuracy"]
+           "confusion_matrix", "expected_calibration_error", "format_metrics", "format_report",
+           "plot_confusion_matrix", "topk_accuracy"]

@@ -62,6 +62,20 @@ def topk_accuracy(logits: Tensor, labels: Tensor, k: int = 1) -> float:
     return 100.0 * float((top == labels[:, None]).any(1).float().mean())
 
 
+def expected_calibration_error(confidence: Tensor, correct: Tensor, bins: int = 15) -> float:
+    """ECE (Guo et al. 2017), in percent: predictions grouped by confidence into ``bins`` equal-width bins;
+    the mean |accuracy - confidence| of the bins, weighted by how many predictions each holds. ``confidence``:
+    the probability of each predicted label; ``correct``: whether it was right."""
+    confidence, correct = confidence.detach().double().flatten(), correct.detach().double().flatten()
+    if confidence.numel() != correct.numel() or confidence.numel() == 0:
+        raise ValueError(f"confidence ({confidence.numel()}) and correct ({correct.numel()}) must be equally long, "
+                         "and not empty")
+    which = (confidence * bins).long().clamp(0, bins - 1)
+    count = torch.bincount(which, minlength=bins).double()
+    gap = torch.bincount(which, weights=correct - confidence, minlength=bins)  # sum over each bin
+    return float(100.0 * gap.abs().sum() / count.sum())
+
+
 def confusion_matrix(predictions: Tensor, labels: Tensor, num_classes: int) -> Tensor:
     """(K, K) int64 counts: entry [t, p] = examples of true class t predicted as p. Both (N,) int."""
     index = labels.long() * num_classes + predictions.long()

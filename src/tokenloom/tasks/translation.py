@@ -196,11 +196,15 @@ class TranslationTask(Sharded):
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, max_batches: int | None = -1, split: str | None = None) -> dict[str, float]:
-        """``{split}_loss`` (no label smoothing), ``{split}_ppl`` and, with ``data.bleu``, ``{split}_bleu``."""
+        """``{split}_loss`` (no label smoothing), ``{split}_ppl``, ``{split}_ece`` (expected calibration error of
+        the next-token predictions under teacher forcing, percent) and, with ``data.bleu``, ``{split}_bleu``."""
+        from ..evaluation import expected_calibration_error
+
         split = split or self.data.valid
         name = "val" if split == self.data.valid else split
         max_batches = self.eval_batches if max_batches == -1 else max_batches
         total, count = 0.0, 0
+        confidences, corrects = [], []
         for i, indices in enumerate(self.dataset.batches(split, self.data.max_tokens, shuffle=False)):
             if max_batches is not None and i >= max_batches:
                 break
@@ -209,10 +213,16 @@ class TranslationTask(Sharded):
             n = batch.num_target_tokens
             total += cross_entropy(logits, batch.target_out, ignore_index=self.ids["pad_id"]).item() * n
             count += n
+            real = batch.target_out != self.ids["pad_id"]
+            confidence, predicted = logits[real].float().softmax(-1).max(-1)
+            confidences.append(confidence)
+            corrects.append(predicted == batch.target_out[real])
         if count == 0:
             raise DataError(f"the {split!r} split is empty: nothing to evaluate")
         loss = total / count
-        metrics = {f"{name}_loss": loss, f"{name}_ppl": math.exp(min(loss, 50.0)), "tokens": count}
+        metrics = {f"{name}_loss": loss, f"{name}_ppl": math.exp(min(loss, 50.0)),
+                   f"{name}_ece": expected_calibration_error(torch.cat(confidences), torch.cat(corrects)),
+                   "tokens": count}
         if self.data.bleu:
             from ..evaluation import compute_metrics
 

@@ -199,7 +199,7 @@ class Trainer:
         if not name or name not in metrics:
             return
         value = metrics[name]
-        lower = name.endswith(("_loss", "_ppl"))
+        lower = name.endswith(("_loss", "_ppl", "_ece"))
         if self.best is None or (value < self.best if lower else value > self.best):  # the same on every rank
             self.best = value
             weights = self._weights()

@@ -1,0 +1,1 @@
+"""Experiments: sweeps, reports, scaling-law fits."""
