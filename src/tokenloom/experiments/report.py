@@ -89,7 +89,7 @@ def scaling_points(results: list[dict[str, Any]], out: Path, metric: str) -> lis
                 total += n
                 if "embed" in name or name.startswith(("position", "lm_head")):
                     embedding += n
-        config = json.loads(json.dumps(_read_yaml(out / r["name"] / "checkpoint" / "config.yaml")))
+        config = _read_yaml(out / r["name"] / "checkpoint" / "config.yaml")
         t = config.get("train", {})
         seq = t.get("seq_len") or config.get("model", {}).get("max_seq_len", 0)
         step = int(r["final"].get("step", t.get("max_steps", 0)))
