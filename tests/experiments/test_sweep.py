@@ -104,7 +104,41 @@ def test_length_evaluations_and_reports(tmp_path):
     assert {p.name for p in written} == {"results.csv", "results.md", "curves.png"}
     text = (out / "results.md").read_text()
     assert "### val_loss by model.position" in text and "| rope | 2 | 0 |" in text
+    assert "### val_loss by run, seeds pooled" in text and "collapsed" not in text
     assert (out / "curves.png").read_bytes()[:4] == b"\x89PNG"
+    assert final["tokens"] == 3 * 2 * 16  # counted by the trainer: steps x batch x window
+    # a collapse threshold just under the worst run's loss: that run (only) is counted, and left out of the mean
+    worst = max(results, key=lambda r: r["final"]["val_loss"])
+    sweep_report(out, collapsed_above=worst["final"]["val_loss"] - 1e-6)
+    by_key = (out / "results.md").read_text().split("### val_loss by run")[0]
+    rows = [line.split(" | ") for line in by_key.splitlines() if line.startswith(("| learned | 2", "| rope | 2"))]
+    assert [int(row[3]) for row in rows] == [int("learned" in worst["name"]), int("rope" in worst["name"])]
+    others = [r["final"]["val_loss"] for r in results if r is not worst and r["name"].split(",")[0] in
+              worst["name"]]
+    assert any(row[4] == f"{others[0]:.4f}" for row in rows)  # the mean of the one that trained
+    sweep_report(out, collapsed_above=1e9)
+    assert "| learned | 2 | 0 | 0 |" in (out / "results.md").read_text()
+
+
+def test_set_overrides_shrink_a_sweep_and_the_report_section(tmp_path, capsys):
+    path = write(tmp_path, {"grid": {"model.embed_dim": [8, 16]}, "report": {"collapsed_above": 100}})
+    sweep = load_sweep(path, ["train.max_steps=2", "train.lr=0.001"])
+    assert sweep.shared == {"train.max_steps": 2, "train.lr": 0.001} and sweep.report == {"collapsed_above": 100}
+    with pytest.raises(ConfigError, match=r"--set model.embed_dim: the sweep varies this key"):
+        load_sweep(path, ["model.embed_dim=32"])
+    with pytest.raises(ConfigError, match=r"unknown key 'train.max_step' \(did you mean 'max_steps'\?\)"):
+        load_sweep(path, ["train.max_step=2"])
+    with pytest.raises(ConfigError, match="must look like key.sub=value"):
+        load_sweep(path, ["train.max_steps"])
+    (tmp_path / "bad").mkdir()
+    with pytest.raises(ConfigError, match=r"report.collapse_above: unknown \(did you mean 'collapsed_above'\?\)"):
+        load_sweep(write(tmp_path / "bad", {"grid": {"train.lr": [0.1]}, "report": {"collapse_above": 3}}))
+    out = tmp_path / "out"
+    assert main(["sweep", str(path), "--out", str(out), "--set", "train.max_steps=2"]) == 0
+    assert json.loads((out / "embed_dim=8" / "result.json").read_text())["final"]["step"] == 2
+    assert main(["sweep-report", str(out)]) == 0  # report.collapsed_above from the sweep file (via sweep.json)
+    assert "collapsed (> 100)" in (out / "results.md").read_text()
+    capsys.readouterr()
 
 
 def test_fit_scaling_needs_more_sizes_than_parameters(tmp_path, capsys):

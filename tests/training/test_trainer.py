@@ -36,11 +36,12 @@ def params(model):
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "bf16-autocast"])
 def test_resume_is_exact(tmp_path, precision):
     cfg = recipe(tmp_path, precision=precision, grad_accum_steps=2)
-    full, _ = run(cfg, tmp_path / "full")
+    full, whole = run(cfg, tmp_path / "full")
     _, first = run(cfg, tmp_path / "split", overrides=["train.stop_after_steps=4"])
     assert first["step"] == 4 and first["stopped_by"] == "stop_after_steps"
-    resumed, _ = run(cfg, tmp_path / "split", resume=True)
+    resumed, rest = run(cfg, tmp_path / "split", resume=True)
     assert resumed.step == 8
+    assert first["tokens"] == 4 * 2 * 4 * 16 and rest["tokens"] == whole["tokens"] == 8 * 2 * 4 * 16  # the count too
     a, b = params(full.model), params(resumed.model)
     for k in a:
         assert torch.equal(a[k], b[k]), k

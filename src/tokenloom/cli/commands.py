@@ -441,7 +441,7 @@ def sweep(args: argparse.Namespace) -> int:
 
     if args.parallel < 1:
         raise ConfigError(f"--parallel must be >= 1, got {args.parallel}")
-    plan = load_sweep(args.sweep)
+    plan = load_sweep(args.sweep, args.overrides)
     print(f"sweep {plan.name}: {len(plan.points)} runs of {plan.recipe} -> {args.out}", file=sys.stderr)
     if args.dry_run:
         for point in plan.points:
@@ -458,7 +458,7 @@ def sweep(args: argparse.Namespace) -> int:
 def sweep_report(args: argparse.Namespace) -> int:
     from ..experiments.report import sweep_report as report
 
-    for path in report(args.out, args.metric):
+    for path in report(args.out, args.metric, args.collapsed_above):
         print(path)
     return 0
 

@@ -246,13 +246,21 @@ def _add_experiments(sub: argparse._SubParsersAction) -> None:
     p.add_argument("sweep", help="sweep YAML file")
     p.add_argument("--out", required=True, help="sweep directory (one run directory per point)")
     p.add_argument("--parallel", type=int, default=1, metavar="N", help="train N points at a time (default 1)")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="add to the sweep's shared settings, e.g. --set train.max_steps=500 for a quicker version "
+                        "(repeatable; use a fresh --out: finished runs are not rerun)")
     p.add_argument("--dry-run", action="store_true", help="list the points and stop")
     p.set_defaults(func=_run("sweep"))
     r = sub.add_parser("sweep-report", help="tables (Markdown, CSV) and curves of a sweep directory",
                        description="results.csv, results.md (every run; per swept key: mean / std / min of the "
-                                   "metric over seeds and the divergence count) and curves.png.")
+                                   "metric over seeds, the divergence and collapse counts; one row per combination "
+                                   "of the swept keys) and curves.png.")
     r.add_argument("out", help="sweep directory")
-    r.add_argument("--metric", default="val_loss", help="metric of the grouped tables (default val_loss)")
+    r.add_argument("--metric", default=None, help="metric of the grouped tables (default: the sweep file's "
+                                                  "report.metric, else val_loss)")
+    r.add_argument("--collapsed-above", type=float, default=None, metavar="X",
+                   help="count finished runs whose final metric stays above X as collapsed (default: the sweep "
+                        "file's report.collapsed_above)")
     r.set_defaults(func=_run("sweep_report"))
     f = sub.add_parser("fit-scaling", help="fit L(N) = a*N^-alpha + c and L(C) over a sweep, with bootstrap "
                                            "intervals",

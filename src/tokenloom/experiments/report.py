@@ -33,31 +33,74 @@ def _number(value: Any) -> float | None:
     return float(value) if isinstance(value, int | float) and math.isfinite(value) else None
 
 
-def group_table(results: list[dict[str, Any]], keys: list[str], metric: str) -> list[str]:
-    """Markdown: per swept key and value, ``metric`` over the runs (mean, std, min, runs) and divergences."""
+def _collapsed(result: dict[str, Any], metric: str, threshold: float | None) -> bool:
+    """A finished run whose final ``metric`` stayed above ``threshold`` (it never learned past a baseline such as
+    the unigram loss), or came out non-finite."""
+    if result.get("status") != "done" or threshold is None:
+        return False
+    value = result.get("final", {}).get(metric)
+    return isinstance(value, int | float) and (not math.isfinite(value) or value > threshold)
+
+
+def _stats(values: list[float]) -> str:
+    if not values:
+        return "- | - | -"
+    return (f"{statistics.mean(values):.4f} | {statistics.stdev(values) if len(values) > 1 else 0:.4f} | "
+            f"{min(values):.4f}")
+
+
+def group_table(results: list[dict[str, Any]], keys: list[str], metric: str,
+                collapsed_above: float | None = None) -> list[str]:
+    """Markdown: per swept key and value, ``metric`` over the runs (mean, std, min), the runs that diverged or
+    failed and (with ``collapsed_above``) those that collapsed; then one row per combination of the swept keys
+    with the seeds pooled."""
     from .sweep import _value
 
+    varied = [k for k in keys if k != "train.seed"]
+    collapse = f" | collapsed (> {collapsed_above:g})" if collapsed_above is not None else ""
+
+    def row(group: list[dict[str, Any]]) -> str:
+        values = [v for r in group if (v := _number(r.get("final", {}).get(metric))) is not None
+                  and not _collapsed(r, metric, collapsed_above)]
+        bad = sum(r.get("status") != "done" for r in group)
+        down = f" | {sum(_collapsed(r, metric, collapsed_above) for r in group)}" if collapse else ""
+        return f"{len(group)} | {bad}{down} | {_stats(values)} |"
+
     lines = []
-    for key in [k for k in keys if k != "train.seed"]:
-        lines += [f"### {metric} by {key}", "", f"| {key} | runs | diverged / failed | mean | std | min |",
-                  "|---|---|---|---|---|---|"]
+    note = " (mean / std / min over the runs that did not collapse)" if collapse else ""
+    for key in varied:
+        lines += [f"### {metric} by {key}{note}", "",
+                  f"| {key} | runs | diverged / failed{collapse} | mean | std | min |",
+                  "|---|---|---|" + "---|" * bool(collapse) + "---|---|---|"]
         for value in dict.fromkeys(_value(key, r) for r in results):
-            group = [r for r in results if _value(key, r) == value]
-            values = [v for r in group if (v := _number(r.get("final", {}).get(metric))) is not None]
-            bad = sum(r.get("status") != "done" for r in group)
-            stats = (f"{statistics.mean(values):.4f} | {statistics.stdev(values) if len(values) > 1 else 0:.4f} | "
-                     f"{min(values):.4f}") if values else "- | - | -"
-            lines.append(f"| {value} | {len(group)} | {bad} | {stats} |")
+            lines.append(f"| {value} | " + row([r for r in results if _value(key, r) == value]))
+        lines.append("")
+    if len(varied) > 1 or (varied and "train.seed" in keys):
+        lines += [f"### {metric} by run, seeds pooled{note}", "",
+                  "| " + " | ".join(varied) + f" | runs | diverged / failed{collapse} | mean | std | min | per seed |",
+                  "|" + "---|" * (len(varied) + 6 + bool(collapse))]
+        cells: dict[tuple[str, ...], list[dict[str, Any]]] = {}
+        for r in results:
+            cells.setdefault(tuple(_value(k, r) for k in varied), []).append(r)
+        for cell, group in cells.items():
+            seeds = " / ".join(f"{v:.4f}" if (v := _number(r.get("final", {}).get(metric))) is not None
+                               else r.get("status", "?") for r in group)
+            lines.append("| " + " | ".join(cell) + " | " + row(group) + f" {seeds} |")
         lines.append("")
     return lines
 
 
-def sweep_report(out: str | Path, metric: str = "val_loss") -> list[Path]:
-    """results.csv / results.md (with the grouped tables) and curves.png in the sweep directory."""
+def sweep_report(out: str | Path, metric: str | None = None, collapsed_above: float | None = None) -> list[Path]:
+    """results.csv / results.md (with the grouped tables) and curves.png in the sweep directory. ``metric`` and
+    ``collapsed_above`` default to the sweep file's ``report`` section (then val_loss, no collapse count)."""
     out = Path(out)
     results, keys = load_results(out)
+    defaults = _report_defaults(out)
+    metric = metric or defaults.get("metric") or "val_loss"
+    if collapsed_above is None:
+        collapsed_above = defaults.get("collapsed_above")
     csv_path, md_path = write_tables(out, results, keys)
-    md_path.write_text(md_path.read_text() + "\n" + "\n".join(group_table(results, keys, metric)))
+    md_path.write_text(md_path.read_text() + "\n" + "\n".join(group_table(results, keys, metric, collapsed_above)))
     written = [csv_path, md_path]
     runs = {}
     for r in results:
@@ -69,6 +112,13 @@ def sweep_report(out: str | Path, metric: str = "val_loss") -> list[Path]:
 
         written.append(plot_curves(runs, out / "curves.png"))
     return written
+
+
+def _report_defaults(out: Path) -> dict[str, Any]:
+    try:
+        return dict(json.loads((out / "sweep.json").read_text()).get("report") or {})
+    except (OSError, ValueError):
+        return {}
 
 
 # -- scaling ------------------------------------------------------------------------------------------------
@@ -91,9 +141,11 @@ def scaling_points(results: list[dict[str, Any]], out: Path, metric: str) -> lis
                     embedding += n
         config = _read_yaml(out / r["name"] / "checkpoint" / "config.yaml")
         t = config.get("train", {})
-        seq = t.get("seq_len") or config.get("model", {}).get("max_seq_len", 0)
-        step = int(r["final"].get("step", t.get("max_steps", 0)))
-        tokens = step * t.get("batch_size", 0) * t.get("grad_accum_steps", 1) * seq
+        tokens = _number(r["final"].get("tokens"))  # counted by the trainer (target tokens for translation)
+        if not tokens:  # a run from before the count: steps x batch x window (language models)
+            seq = t.get("seq_len") or config.get("model", {}).get("max_seq_len", 0)
+            step = int(r["final"].get("step", t.get("max_steps", 0)))
+            tokens = step * t.get("batch_size", 0) * t.get("grad_accum_steps", 1) * seq
         n = total - embedding
         points.append({"name": r["name"], "params": float(total), "non_embedding_params": float(n),
                        "tokens": float(tokens), "compute": 6.0 * n * tokens, metric: value})

@@ -12,6 +12,8 @@ A sweep file (``sweeps/*.yaml``)::
       - {train.warmup_steps: 100}
     seeds: [1, 2, 3]                           # every point once per seed (train.seed)
     evaluate: {seq_lens: [128, 256, 512]}      # language models: also val loss/ppl at these window lengths
+    report: {metric: val_loss, collapsed_above: 3.0}   # sweep-report: a finished run whose final metric stays
+                                               # above 3.0 counts as collapsed (never learned past a baseline)
 
 ``run_sweep`` trains the points one after another (or ``parallel`` at a time, each process with its share of
 the cores), skips points already finished (``<run>/result.json``), resumes points that stopped midway (their
@@ -40,7 +42,8 @@ from ..errors import ConfigError, TokenloomError, TrainingError
 from ..registry import did_you_mean
 
 RESULT_FILE = "result.json"
-SWEEP_KEYS = ("recipe", "set", "grid", "runs", "seeds", "evaluate", "name", "description")
+SWEEP_KEYS = ("recipe", "set", "grid", "runs", "seeds", "evaluate", "report", "name", "description")
+REPORT_KEYS = ("metric", "collapsed_above")
 
 
 @dataclass
@@ -64,6 +67,7 @@ class Sweep:
     evaluate: dict[str, Any] = field(default_factory=dict)
     name: str = "sweep"
     keys: list[str] = field(default_factory=list)  # the keys that vary (grid, runs, seed)
+    report: dict[str, Any] = field(default_factory=dict)  # sweep-report's defaults (metric, collapsed_above)
 
 
 def _mapping(value: Any, where: str) -> dict[str, Any]:
@@ -84,8 +88,11 @@ def _slug(value: Any) -> str:
     return re.sub(r"[^A-Za-z0-9_.+-]+", "_", text).strip("_") or "x"
 
 
-def load_sweep(path: str | Path) -> Sweep:
-    """Read and expand a sweep file; every point is validated against the recipe before anything runs."""
+def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
+    """Read and expand a sweep file; every point is validated against the recipe before anything runs.
+    ``overrides`` (``key=value``, the CLI's ``--set``) are added to the file's shared ``set``, e.g. fewer steps
+    for a quick version of a sweep."""
+    from ..config import apply_overrides
     from ..training import load_run_config
 
     path = Path(path)
@@ -120,6 +127,13 @@ def load_sweep(path: str | Path) -> Sweep:
     if not isinstance(seeds, list) or not all(isinstance(s, int) for s in seeds):
         raise ConfigError(f"seeds must be a list of integers, got {seeds!r}")
     shared = _mapping(data.get("set"), "set")
+    for item in overrides or []:
+        if "=" not in item or not item.split("=", 1)[0].strip():
+            raise ConfigError(f"--set {item!r} must look like key.sub=value")
+        key = item.split("=", 1)[0].strip()
+        if key in grid or any(key in r for r in runs) or (key == "train.seed" and seeds):
+            raise ConfigError(f"--set {key}: the sweep varies this key (grid, runs or seeds); edit the sweep file")
+        shared[key] = apply_overrides({}, [f"value={item.split('=', 1)[1]}"])["value"]
     grid_points = [dict(zip(grid, combo, strict=True)) for combo in itertools.product(*grid.values())] or [{}]
     combos = [{**g, **r} for g in grid_points for r in (runs or [{}])]
     keys = list(dict.fromkeys(k for c in combos for k in c))
@@ -141,8 +155,16 @@ def load_sweep(path: str | Path) -> Sweep:
     for key in evaluate:
         if key != "seq_lens":
             raise ConfigError(f"evaluate.{key}: unknown{did_you_mean(key, ['seq_lens'])}; known: seq_lens")
+    report = _mapping(data.get("report"), "report")
+    for key, value in report.items():
+        if key not in REPORT_KEYS:
+            raise ConfigError(f"report.{key}: unknown{did_you_mean(key, REPORT_KEYS)}; known: {', '.join(REPORT_KEYS)}")
+        if key == "collapsed_above" and not isinstance(value, int | float):
+            raise ConfigError(f"report.collapsed_above must be a number, got {value!r}")
+        if key == "metric" and not isinstance(value, str):
+            raise ConfigError(f"report.metric must be a metric name such as val_loss, got {value!r}")
     return Sweep(recipe=recipe, shared=shared, points=points, evaluate=evaluate, name=data.get("name", path.stem),
-                 keys=keys + (["train.seed"] if seeds else []))
+                 keys=keys + (["train.seed"] if seeds else []), report=report)
 
 
 # -- running ----------------------------------------------------------------------------------------------
@@ -250,7 +272,7 @@ def run_sweep(sweep: Sweep, out: str | Path, *, parallel: int = 1, log: Any = pr
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     _write_json(out / "sweep.json", {"name": sweep.name, "recipe": str(sweep.recipe), "set": sweep.shared,
-                                     "keys": sweep.keys, "evaluate": sweep.evaluate,
+                                     "keys": sweep.keys, "evaluate": sweep.evaluate, "report": sweep.report,
                                      "points": [{"name": p.name, "overrides": p.overrides, "seed": p.seed}
                                                 for p in sweep.points]})
     todo = []
@@ -287,9 +309,9 @@ def _report(result: dict[str, Any], log: Any) -> None:
 
 # -- tables -----------------------------------------------------------------------------------------------
 def _columns(results: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
+    kept = ("train_loss", "step", "tokens", "nonfinite_steps")
     final = list(dict.fromkeys(k for r in results for k, v in r.get("final", {}).items()
-                               if isinstance(v, int | float) and (k.startswith("val_") or k in ("train_loss", "step",
-                                                                                                "nonfinite_steps"))))
+                               if isinstance(v, int | float) and (k.startswith("val_") or k in kept)))
     best = list(dict.fromkeys(k for r in results for k in r.get("best", {})))
     return final, best
 

@@ -77,6 +77,7 @@ class Trainer:
         self.last_eval: dict[str, float] = {}
         self.best: float | None = None  # the best value of train.keep_best so far
         self.saved_step: int | None = None  # the step of <run>/checkpoint, once this run wrote or resumed it
+        self.tokens_seen = 0  # target tokens (or images) trained on, over the whole run (all ranks)
         self.nonfinite_steps = 0  # updates skipped for a NaN/Inf loss or gradient, over the whole run
         self.nonfinite_streak = 0  # ... in a row, up to now
         self._stop_requested = False
@@ -120,6 +121,7 @@ class Trainer:
                 "last_eval": self.last_eval,
                 "best": self.best,
                 "nonfinite_steps": self.nonfinite_steps,
+                "tokens_seen": self.tokens_seen,
                 "task": self.task.state_dict() if hasattr(self.task, "state_dict") else None,
             }, tmp / STATE_FILE)
 
@@ -236,6 +238,7 @@ class Trainer:
             self.last_eval = dict(state.get("last_eval", {}))
             self.best = state.get("best")
             self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
+            self.tokens_seen = int(state.get("tokens_seen", 0))  # 0 in checkpoints older than the counter
             if state.get("task") is not None and hasattr(self.task, "load_state_dict"):
                 self.task.load_state_dict(state["task"])
         except (OSError, RuntimeError, KeyError, ValueError, EOFError) as err:
@@ -444,6 +447,7 @@ class Trainer:
                         break
                     continue
                 window_tokens += tokens
+                self.tokens_seen += tokens
                 bar.update(1)
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     elapsed = time.perf_counter() - window_start
@@ -483,6 +487,6 @@ class Trainer:
                 self.average_snapshots()
         elapsed = time.perf_counter() - start_time
         summary = {"step": self.step, "train_loss": loss, **metrics, "stopped_by": stopped_by,
-                   "nonfinite_steps": self.nonfinite_steps,
+                   "nonfinite_steps": self.nonfinite_steps, "tokens": self.tokens_seen,
                    "steps_this_run": self.step - start_step, "seconds": round(elapsed, 1)}
         return summary

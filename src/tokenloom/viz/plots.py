@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 from torch import Tensor
 
@@ -143,24 +144,42 @@ def plot_curves(runs: dict[str, list[dict]], path: str | Path, x: str = "step") 
               if any(key in row for rows in runs.values() for row in rows for key in keys)]
     if not panels:
         raise ConfigError("no loss, lr or tokens_per_s values in the metrics of " + ", ".join(runs))
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 3.6), squeeze=False)
+    many = len(runs) > 4  # one shared legend under the panels (a colour per run; solid train, dashed validation)
+    width = 5 * len(panels)  # inches; a legend entry at 7 pt: about 4.6 pt per character plus the line sample
+    columns = max(1, min(len(runs), int(72 * width // (4.6 * (max(map(len, runs), default=1) + 10)))))
+    legend_rows = -(-len(runs) // columns) if many else 0
+    height = 3.6 + 0.2 * legend_rows
+    fig, axes = plt.subplots(1, len(panels), figsize=(width, height), squeeze=False)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    styles = ["-", "-.", ":"]  # with more runs than colours, the next runs change line style too
     for ax, (label, keys) in zip(axes[0], panels, strict=True):
         for n, (name, rows) in enumerate(runs.items()):
             for key in keys:
                 points = [(row[x], row[key]) for row in rows if key in row and x in row]
                 if points:
                     xs, ys = zip(*points, strict=True)
-                    ax.plot(xs, ys, color=colors[n % len(colors)], linestyle="--" if key.startswith("val_") else "-",
-                            marker="o" if key.startswith("val_") else None, markersize=3,
-                            label=f"{name} {key}" if len(keys) > 1 else name)
+                    val = key.startswith("val_")
+                    ax.plot(xs, ys, color=colors[n % len(colors)],
+                            linestyle="--" if val else styles[(n // len(colors)) % len(styles)],
+                            marker="o" if val else None, markersize=3,
+                            label=f"{name} {key}" if len(keys) > 1 and not many else name)
         ax.set_xlabel(x)
         ax.set_ylabel(label)
         if label == "learning rate":
             ax.ticklabel_format(axis="y", style="sci", scilimits=(-3, 3))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
+        if not many:
+            ax.legend(fontsize=7)
+    if many:
+        handles: dict[str, Any] = {}
+        for ax in axes[0]:
+            for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
+                handles.setdefault(name, handle)
+        fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=columns, fontsize=7,
+                   frameon=False, title="solid: train, dashed: validation", title_fontsize=7)
+        fig.tight_layout(rect=(0, (0.25 + 0.2 * legend_rows) / height, 1, 1))
+    else:
+        fig.tight_layout()
     return _save(fig, plt, path)
 
 
