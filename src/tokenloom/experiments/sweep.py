@@ -128,12 +128,13 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
         raise ConfigError(f"seeds must be a list of integers, got {seeds!r}")
     shared = _mapping(data.get("set"), "set")
     for item in overrides or []:
-        if "=" not in item or not item.split("=", 1)[0].strip():
+        key, sep, raw = item.partition("=")
+        key = key.strip()
+        if not sep or not key:
             raise ConfigError(f"--set {item!r} must look like key.sub=value")
-        key = item.split("=", 1)[0].strip()
         if key in grid or any(key in r for r in runs) or (key == "train.seed" and seeds):
             raise ConfigError(f"--set {key}: the sweep varies this key (grid, runs or seeds); edit the sweep file")
-        shared[key] = apply_overrides({}, [f"value={item.split('=', 1)[1]}"])["value"]
+        shared[key] = apply_overrides({}, [f"value={raw}"])["value"]  # the YAML parsing of train --set
     grid_points = [dict(zip(grid, combo, strict=True)) for combo in itertools.product(*grid.values())] or [{}]
     combos = [{**g, **r} for g in grid_points for r in (runs or [{}])]
     keys = list(dict.fromkeys(k for c in combos for k in c))
