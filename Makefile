@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-all lint bench clean
+.PHONY: install demo test test-kernels test-all lint bench clean
 
 install: $(VENV)/.installed
 
@@ -23,11 +23,27 @@ demo: install
 test: install
 	$(PY) -m pytest
 
+# The tests that train or compare floats, again under other CPU kernels than this CPU's own (the vectorised ATen
+# kernels, oneDNN's and MKL's instruction sets, one thread), each with its own Inductor cache: the suite must pass on
+# any x86-64 CPU, not only on the one it was written on. .ci/run runs this after `make test`.
+KERNEL_TESTS := tests/models tests/training tests/generation tests/nn tests/tasks tests/interop
+KERNEL_SETTINGS := \
+	"ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2" \
+	"ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1"
+
+test-kernels: install
+	@set -e; for setting in $(KERNEL_SETTINGS); do \
+		echo "== $$setting: $(KERNEL_TESTS)"; \
+		cache=$$(mktemp -d); \
+		env $$setting TORCHINDUCTOR_CACHE_DIR=$$cache $(PY) -m pytest $(KERNEL_TESTS); \
+		rm -rf $$cache; \
+	done
+
 test-all: install
 	$(PY) -m pytest -m ""
 
 lint: install
-	$(BIN)/ruff check src tests benchmarks
+	$(BIN)/ruff check src tests benchmarks scripts
 
 bench: install
 	$(PY) benchmarks/bench_train.py

@@ -64,6 +64,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
     args = parser.parse_args()
+    from tokenloom.hardware import machine
+
+    print(f"Machine: {machine().describe()}")
     context = multiprocessing.get_context("spawn")
     rows = {}
     for checkpointing in (False, True):

@@ -40,6 +40,9 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=16, help="the global batch (sequences)")
     parser.add_argument("--precision", default="bf16", choices=("fp32", "bf16"))
     args = parser.parse_args()
+    from tokenloom.hardware import machine
+
+    print(f"Machine: {machine().describe()}", flush=True)
     configs = [("1 process", 1, "single", args.batch), ("2 processes DDP", 2, "ddp", args.batch // 2),
                ("2 processes FSDP", 2, "fsdp", args.batch // 2)]
     results: dict[str, list[float]] = {name: [] for name, *_ in configs}

@@ -36,6 +36,7 @@ from pathlib import Path
 import httpx
 
 from tokenloom.benchmarks import report_load_and_save
+from tokenloom.hardware import machine
 
 REPO = Path(__file__).resolve().parents[1]
 DEFAULT_CHECKPOINT = REPO / "checkpoints" / "shakespeare-char"
@@ -254,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     if min(args.clients, args.max_tokens, args.max_batch, args.repeats) < 1:
         parser.error("--clients, --max-tokens, --max-batch and --repeats must be >= 1")
 
+    print(f"Machine: {machine().describe()}", flush=True)
     load_before = os.getloadavg()[0]
     port = args.port or free_port()
     url = f"http://127.0.0.1:{port}"
@@ -315,10 +317,10 @@ def main(argv: list[str] | None = None) -> int:
     if server_lines:  # warnings and errors (uvicorn logs at level warning)
         print("server output:\n" + "\n".join("  " + line for line in server_lines[-20:]))
 
-    results = {"checkpoint": str(args.checkpoint), "clients": args.clients, "max_tokens": args.max_tokens,
-               "max_batch": args.max_batch, "phases": rows, "ratio": ratio, "lost": len(lost),
-               "mismatched": len(mismatched), "client_cpu_s": CLIENT_CPU, "per_run_tokens_per_s": per_run,
-               "inconsistent_token_counts": len(inconsistent),
+    results = {"machine": machine().as_dict(), "checkpoint": str(args.checkpoint), "clients": args.clients,
+               "max_tokens": args.max_tokens, "max_batch": args.max_batch, "phases": rows, "ratio": ratio,
+               "lost": len(lost), "mismatched": len(mismatched), "client_cpu_s": CLIENT_CPU,
+               "per_run_tokens_per_s": per_run, "inconsistent_token_counts": len(inconsistent),
                "requests": {"sequential": [asdict(r) for r in sequential],
                             "concurrent": [asdict(r) for r in concurrent]}}
     report_load_and_save(results, load_before, os.cpu_count() or 1, args.out)

@@ -29,6 +29,7 @@ from tokenloom.config import from_dict
 from tokenloom.data.parallel import read_parallel
 from tokenloom.evaluation import compute_metrics
 from tokenloom.generation import GenerationConfig, beam_search, generate
+from tokenloom.hardware import machine
 from tokenloom.interop import to_hf
 from tokenloom.tasks.translation import TranslationDataConfig, special_ids
 
@@ -113,7 +114,7 @@ def main(argv: list[str] | None = None) -> None:
     sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
     encoded = [tokenizer.encode(s)[:model.config.max_source_len - 1] + [ids["eos_id"]] for s in sources]
     chunks = batches(encoded, args.batch_sentences)
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {torch.get_num_threads()} threads; "
+    print(f"{machine().describe()}, transformers {transformers.__version__}; "
           f"{len(sources)} sentences of {args.split}, {len(chunks)} batches", file=sys.stderr)
     load_before = os.getloadavg()[0]
     rows = []
@@ -144,7 +145,8 @@ def main(argv: list[str] | None = None) -> None:
                          ratio=results["hf"]["seconds"] / results["tokenloom"]["seconds"],
                          identical=same / len(encoded), tokenloom_bleu=results["tokenloom"]["bleu"],
                          hf_bleu=results["hf"]["bleu"], sentences=len(encoded)))
-    print(f"\n{args.split}: {len(encoded)} sentences, batches of {args.batch_sentences}, {args.precision}")
+    print(f"\n{args.split}: {len(encoded)} sentences, batches of {args.batch_sentences}, {args.precision}; "
+          f"{machine().describe()}, transformers {transformers.__version__}")
     print("beam  tokenloom s  HF s   HF/tokenloom  sent/s (tokenloom)  identical  BLEU tokenloom  BLEU HF")
     for r in rows:
         print(f"{r['beam']:>4}  {r['tokenloom_s']:>11.1f}  {r['hf_s']:>5.1f}  {r['ratio']:>11.2f}x  "
@@ -153,7 +155,8 @@ def main(argv: list[str] | None = None) -> None:
     print(f"1-min load average before/after: {load_before:.2f} / {os.getloadavg()[0]:.2f}")
     if args.out:
         with open(args.out, "w") as fh:
-            json.dump(rows, fh, indent=2)
+            json.dump(dict(machine=machine().as_dict(), transformers=transformers.__version__,
+                           date=time.strftime("%Y-%m-%d"), rows=rows), fh, indent=2)
 
 
 if __name__ == "__main__":

@@ -33,6 +33,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from tokenloom.hardware import machine
 from tokenloom.interop import to_hf
 from tokenloom.models import Swin, SwinConfig, ViT, ViTConfig
 
@@ -140,7 +141,7 @@ def main() -> None:
                 batch = args.batch_size * (4 if mode == "infer" else 1)
                 rows.append(bench(shape, mode, precision, batch, args.steps, args.warmup, args.repeats, args.hf_attn,
                                   args.seed, args.compile))
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, compiled: {args.compile}")
+    print(f"{machine().describe()}, compiled: {args.compile}")
     print(f"{'shape':<11} {'mode':<6} {'prec':<5} {'batch':>5} {'tokenloom img/s':>16} {'HF img/s':>9} "
           f"{'HF/tokenloom':>13} {'max |dlogit|':>13}")
     for r in rows:
@@ -149,7 +150,7 @@ def main() -> None:
               f"{r['hf_images_per_s']:>9.0f} {r['hf_over_tokenloom']:>12.2f}x {r['max_abs_logit_diff']:>13.1e}")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump(dict(machine=machine().as_dict(), date=time.strftime("%Y-%m-%d"), rows=rows), f, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,23 @@
+import atexit
+import os
+import shutil
+import tempfile
+
 import pytest
 import torch
+
+# Commands that run a model default to --precision auto, which picks bf16 or fp32 by this machine's CPU and a
+# measurement: the tests pin fp32 (their references are fp32) and test auto itself with mocked answers
+# (tests/test_hardware.py). Measurements go to a cache of this test session, not the user's.
+os.environ["TOKENLOOM_PRECISION"] = "fp32"
+os.environ["TOKENLOOM_CACHE_DIR"] = tempfile.mkdtemp(prefix="tokenloom-test-cache-")
+atexit.register(shutil.rmtree, os.environ["TOKENLOOM_CACHE_DIR"], ignore_errors=True)
+# Inductor's on-disk cache does not key on ATEN_CPU_CAPABILITY (torch 2.13): kernels another process compiled under
+# other forced kernels load and fail (index out of bounds) or abort. The suite compiles into a cache of its own per
+# kernel setting (kept between runs: warm), unless one is given.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    tempfile.gettempdir(), f"tokenloom-tests-inductor-{os.getuid() if hasattr(os, 'getuid') else 'user'}-"
+    f"{os.environ.get('ATEN_CPU_CAPABILITY', 'native').lower() or 'native'}"))
 
 
 @pytest.fixture(autouse=True)

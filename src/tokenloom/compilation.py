@@ -18,6 +18,24 @@ def compile_unavailable() -> str | None:
     return None
 
 
+def separate_inductor_cache() -> None:
+    """Give a process whose CPU kernels are forced (``ATEN_CPU_CAPABILITY`` set, e.g. ``avx2``) an Inductor cache of its
+    own, unless ``TORCHINDUCTOR_CACHE_DIR`` is set. Inductor's on-disk cache (torch 2.13) does not key its CPU kernels
+    on that variable: a kernel compiled with AVX-512 vectors and loaded by a process forced to avx2 indexed out of
+    bounds, and the other way round aborted the process. Call it before the first ``torch.compile``."""
+    capability = os.environ.get("ATEN_CPU_CAPABILITY", "").strip().lower()
+    if capability and not os.environ.get("TORCHINDUCTOR_CACHE_DIR"):
+        import getpass
+        import tempfile
+
+        try:
+            user = getpass.getuser()
+        except (KeyError, OSError):
+            user = "unknown_user"
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(tempfile.gettempdir(),
+                                                             f"torchinductor_{user}-aten-{capability}")
+
+
 def from_compiler(error: BaseException) -> bool:
     """Whether an exception came out of TorchDynamo / Inductor (not the model's own code)."""
     module = type(error).__module__ or ""

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tokenloom.cli.main import main
+from tokenloom.hardware import machine
 
 
 def test_bench_attention_writes_a_table_and_a_plot(tmp_path, capsys):
@@ -15,14 +16,17 @@ def test_bench_attention_writes_a_table_and_a_plot(tmp_path, capsys):
     assert main(["bench", "attention", "--lengths", "48", "--backends", "sdpa", "math", "performer", "linformer",
                  "--heads", "2", "--head-dim", "8", "--repeats", "1", "--math-max-length", "16", "--threads", "1",
                  "--out", str(out)]) == 0
-    table = (out / "attention-bench.md").read_text()
+    table, measured = (out / "attention-bench.md").read_text().split("\n\n")
     lines = table.splitlines()[2:]
     assert len(lines) == 3 + 4  # causal: sdpa, math, performer; bidirectional: + linformer
+    assert measured.startswith("Measured on: ") and "1 threads" in measured  # the workers' --threads
+    assert measured.startswith(f"Measured on: {machine().cpu} (")
     assert sum("math | 48 | skipped" in line for line in lines) == 2  # above --math-max-length
     performer = [line for line in lines if "| performer |" in line]
     assert all(line.split("|")[-2].strip() not in ("-", "") for line in performer)  # the error is measured
     assert (out / "attention-bench.png").stat().st_size > 0
-    assert "speedup vs sdpa" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "speedup vs sdpa" in printed and f"torch {machine().torch}" in printed
 
 
 @pytest.mark.parametrize("argv,message", [
@@ -40,6 +44,7 @@ def test_bench_roofline_prints_the_machines_limits(capsys):
     out = capsys.readouterr().out
     for quantity in ("matmul peak, float32", "matmul peak, bfloat16", "memory read bandwidth", "ridge point"):
         assert quantity in out
+    assert out.startswith(machine().describe())
     assert main(["bench", "roofline", "--size", "8"]) != 0
     assert "--size must be >= 64" in capsys.readouterr().err
 

@@ -11,6 +11,7 @@ import yaml
 from test_translation_cli import _corpus  # tests/cli is on sys.path (pytest's prepend import mode)
 
 from tokenloom.cli.main import main
+from tokenloom.hardware import machine
 
 MODEL = {"encoder_layers": 1, "decoder_layers": 1, "num_heads": 2, "embed_dim": 32, "dropout": 0.0,
          "norm_placement": "pre"}
@@ -91,7 +92,10 @@ def test_bench_translate_writes_one_matched_table(runs, tmp_path, capsys):
                       "CMLM 4 iterations, length beam 3", "CMLM 10 iterations, length beam 3", "CTC one pass"]
     assert next(r for r in rows if r["model"] == "AR beam 5")["speedup_vs_ar_beam5"] == "1.0"
     assert all(float(r["latency_ms"]) > 0 and float(r["throughput"]) > 0 for r in rows)
-    assert "| AR beam 5 |" in (out / "translate-bench.md").read_text()
+    report = (out / "translate-bench.md").read_text()
+    assert "| AR beam 5 |" in report and f"\n\nMeasured on: {machine().describe()}, " in report
+    assert all(r["machine"] == machine().describe() and r["date"] for r in rows)
+    assert machine().describe() in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv,needle", [

@@ -139,3 +139,23 @@ def test_static_cache_length_rounds_up_within_the_context():
     assert compiled.static_cache_length(65, 100) == 100  # capped by the context
     assert compiled.static_cache_length(100, 100) == 100
     assert compiled.static_cache_length(70, None) == 128
+
+
+def test_forced_cpu_kernels_get_an_inductor_cache_of_their_own(monkeypatch):
+    """Inductor's cache does not key on ATEN_CPU_CAPABILITY: a process forced to other kernels compiles into a
+    cache of its own (a kernel compiled for AVX-512 and loaded under avx2 indexed out of bounds, and the other way
+    round aborted the test process)."""
+    import os
+
+    from tokenloom.compilation import separate_inductor_cache
+
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    monkeypatch.delenv("ATEN_CPU_CAPABILITY", raising=False)
+    separate_inductor_cache()
+    assert "TORCHINDUCTOR_CACHE_DIR" not in os.environ  # the CPU's own kernels: Inductor's default cache
+    monkeypatch.setenv("ATEN_CPU_CAPABILITY", "AVX2")
+    separate_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"].endswith("-aten-avx2")
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/somewhere/chosen")
+    separate_inductor_cache()
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/somewhere/chosen"  # a chosen cache is left alone

@@ -28,7 +28,9 @@ def log_probs(*probs):
     return torch.tensor([[math.log(p) for p in probs]])
 
 
-@pytest.mark.parametrize("p, expected", [(0.3, [0]), (0.5, [0]), (0.51, [0, 1]), (0.7, [0, 1]),
+# p stays off the cumulative sums (0.5, 0.8, 0.95): log(0.5) -> softmax -> cumsum lands on 0.5 or one float step
+# beside it depending on the CPU's exp kernel; the exact boundary is tested where it is exact (uniform 0.25s below)
+@pytest.mark.parametrize("p, expected", [(0.3, [0]), (0.49, [0]), (0.51, [0, 1]), (0.7, [0, 1]),
                                          (0.81, [0, 1, 2]), (0.96, [0, 1, 2, 3])])
 def test_top_p_keeps_smallest_set_reaching_p(p, expected):
     # probabilities 0.5, 0.3, 0.15, 0.05, given out of order: token ids 2, 0, 3, 1

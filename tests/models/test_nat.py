@@ -143,7 +143,12 @@ def test_random_mask_masks_between_one_and_all_real_tokens():
 
 # ---- training: each kind overfits a handful of pairs -------------------------------------------------
 
-def _train(model: NonAutoregressiveTransformer, steps: int) -> None:
+def _train_until_decoded(model: NonAutoregressiveTransformer, max_steps: int, every: int = 10) -> list[int]:
+    """Train on the four pairs until two checks in a row (``every`` steps apart) decode all of them exactly, or
+    ``max_steps``; returns the steps of the passing checks. Stopping on success instead of after a fixed number of
+    steps keeps the verdict off the trajectory's details: with a constant learning rate, cmlm's random masks make the
+    decoded output come and go around the point where it is learnt, at steps that differ with the CPU's kernels
+    (AVX-512: right at 180-190, wrong 200-360; AVX2: right from 210)."""
     from tokenloom.data.parallel import ParallelBatch
     from tokenloom.tasks.nat import NATTranslationTask
 
@@ -151,24 +156,30 @@ def _train(model: NonAutoregressiveTransformer, steps: int) -> None:
     target_in, tmask = batch_of([[1] + t for t in TARGETS])
     batch = ParallelBatch(source, smask, target_in, target_in, tmask, int(tmask.sum()), torch.arange(4))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    model.train()
-    for _ in range(steps):
+    passed: list[int] = []
+    for step in range(1, max_steps + 1):
+        model.train()
         loss, _, skipped = NATTranslationTask.nat_loss(model, batch, 0.0)
         assert skipped == 0
         opt.zero_grad()
         loss.backward()
         opt.step()
-    model.eval()
+        if step % every == 0:
+            model.eval()
+            with torch.no_grad():
+                out = nat_decode(model, source, smask, iterations=4, length_beam=2)
+            passed = passed + [step] if out == TARGETS else []
+            if len(passed) == 2:
+                break
+    return passed
 
 
-@pytest.mark.parametrize("kind,steps", [("nat", 150), ("cmlm", 250), ("ctc", 150)])
-def test_each_kind_overfits_a_handful_of_pairs(kind, steps):
-    model = tiny(kind)
-    _train(model, steps)
-    source, mask = batch_of(SOURCES)
-    with torch.no_grad():
-        out = nat_decode(model, source, mask, iterations=4, length_beam=2)
-    assert out == TARGETS
+@pytest.mark.parametrize("kind,max_steps", [("nat", 400), ("cmlm", 1000), ("ctc", 400)])
+def test_each_kind_overfits_a_handful_of_pairs(kind, max_steps):
+    """Each kind learns to decode the four pairs exactly (measured here: nat from step 20, ctc from 90, cmlm from
+    190-220 depending on the kernels), well within the step cap."""
+    passed = _train_until_decoded(tiny(kind), max_steps)
+    assert len(passed) == 2, f"{kind}: the pairs were not decoded exactly twice in a row within {max_steps} steps"
 
 
 def test_config_errors_name_the_field():

@@ -167,13 +167,15 @@ def test_tied_and_shared_embeddings():
 
 
 def test_a_tiny_model_learns_to_reverse():
-    """Reverse sequences of 2..5 tokens: the encoder-decoder machinery works end to end."""
+    """Reverse sequences of 2..5 tokens: the encoder-decoder machinery works end to end. Trained until it reverses
+    at least 60 of 64 held-out sequences (checked every 50 steps), within a cap of 1,000 steps: measured here at
+    200 steps with AVX-512 kernels and 350 with AVX2 ones (both 64/64 from 400), so the cap leaves a wide margin
+    where a fixed step count did not (52-63/64 at step 200 depending on the kernels)."""
     torch.manual_seed(0)
     model = make(vocab_size=12, embed_dim=32, num_heads=4, norm_placement="pre").train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    gen = torch.Generator().manual_seed(0)
 
-    def sample(n):
+    def sample(n, gen):
         lengths = torch.randint(2, 6, (n,), generator=gen)
         S = int(lengths.max()) + 1
         src = torch.zeros(n, S, dtype=torch.long)
@@ -187,23 +189,30 @@ def test_a_tiny_model_learns_to_reverse():
             tgt_out[i, :L + 1] = torch.cat((rev, torch.tensor([2])))
         return src, (src != 0).long(), tgt_in, tgt_out
 
-    for _ in range(200):
-        src, mask, tgt_in, tgt_out = sample(64)
+    def reversed_exactly(src, mask, tgt_out) -> int:
+        model.eval()
+        with torch.no_grad():
+            out = generate(model.decoder_for(src, mask), torch.ones(len(src), 1, dtype=torch.long),
+                           GenerationConfig(max_new_tokens=src.shape[1], do_sample=False, eos_token_id=2))
+        model.train()
+        wants = [t[t != 0].tolist() for t in tgt_out]
+        return sum(out[i, 1:1 + len(want)].tolist() == want for i, want in enumerate(wants))
+
+    train, held_out = torch.Generator().manual_seed(0), torch.Generator().manual_seed(1)
+    src_test, mask_test, _, out_test = sample(64, held_out)
+    history = []
+    for step in range(1, 1001):
+        src, mask, tgt_in, tgt_out = sample(64, train)
         logits = model(src, tgt_in, mask)
         loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tgt_out.flatten(), ignore_index=0)
         opt.zero_grad()
         loss.backward()
         opt.step()
-    model.eval()
-    src, mask, _, tgt_out = sample(64)
-    out = generate(model.decoder_for(src, mask), torch.ones(64, 1, dtype=torch.long),
-                   GenerationConfig(max_new_tokens=src.shape[1], do_sample=False, eos_token_id=2))
-    correct = 0
-    for i in range(64):
-        want = tgt_out[i][tgt_out[i] != 0].tolist()
-        got = out[i, 1:1 + len(want)].tolist()
-        correct += got == want
-    assert correct >= 56, f"{correct}/64 reversed exactly"
+        if step % 50 == 0:
+            history.append((step, reversed_exactly(src_test, mask_test, out_test)))
+            if history[-1][1] >= 60:
+                break
+    assert history[-1][1] >= 60, f"(step, reversed of 64): {history}"
 
 
 @pytest.mark.parametrize("variant", list(VARIANTS) + ["post-rope"])

@@ -141,13 +141,15 @@ def test_tiny_vision_model_overfits_a_batch(family):
     x, y = images(batch=8), torch.arange(8)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     first = None
-    for _ in range(60):
+    for _ in range(300):  # under 5% of the first loss at step ~45-50 here; the cap leaves a wide margin
         loss = torch.nn.functional.cross_entropy(model(x), y)
         first = first if first is not None else loss.item()
+        if loss.item() < 0.05 * first:
+            break
         opt.zero_grad()
         loss.backward()
         opt.step()
-    assert first > 1.5 and loss.item() < 0.05 * first
+    assert first > 1.5 and loss.item() < 0.05 * first, f"loss {first:.3f} -> {loss.item():.4f} in 300 steps"
 
 
 PRESETS = [("vit", name) for name in VIT_PRESETS if name != "vit-base"] + \

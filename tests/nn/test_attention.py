@@ -71,8 +71,10 @@ def test_bf16_training_path_matches_float_reference(causal):
     qb, kb, vb = (t.bfloat16().requires_grad_() for t in (q, k, v))
     out, _ = ATTENTION_BACKENDS.get("sdpa")(qb, kb, vb, None if causal else mask, causal, 0.0, False)
     assert out.dtype == torch.bfloat16
-    assert torch.allclose(out.float(), expected, atol=3e-2)
+    step = 2 ** -8  # one bf16 rounding step, relative: inputs, scores, probabilities and outputs are each rounded
+    # measured here 1.3 steps of the largest output away (output), 2.3 (gradient); a few more on other kernels
+    assert (out.float() - expected).abs().max() <= 4 * step * expected.abs().max()
     out.float().sum().backward()
     qf = q.clone().requires_grad_()
     reference(qf, k, v, mask).sum().backward()
-    assert torch.allclose(qb.grad.float(), qf.grad, atol=5e-2)
+    assert (qb.grad.float() - qf.grad).abs().max() <= 8 * step * qf.grad.abs().max()

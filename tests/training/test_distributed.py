@@ -57,6 +57,17 @@ def weights(run):
     return load_file(str(run / "checkpoint" / "model.safetensors"))
 
 
+def without_key_bias(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` without the key part of a fused q/k/v bias. Adding a constant to every key leaves softmax
+    unchanged, so that bias's true gradient is zero and what it receives is rounding noise, which AdamW turns into
+    steps of about the learning rate: it differs between two runs by whatever their rounding differs by (3.5e-4
+    with AVX-512 kernels, 5.5e-4 with AVX2 ones, half the tolerance below), and says nothing about equivalence."""
+    if not name.endswith("attn.qkv_proj.bias"):
+        return tensor
+    third = tensor.shape[0] // 3  # q | k | v (these models have as many key/value heads as query heads)
+    return torch.cat((tensor[:third], tensor[2 * third:]))
+
+
 def last_step(run):
     path = run / "metrics.jsonl"
     if not path.exists():
@@ -86,7 +97,7 @@ def test_two_processes_equal_one_process_with_twice_the_batch(tmp_path, single_2
     loss_gap = max(abs(a - b) for a, b in zip(two, one, strict=True))
     a, b = weights(tmp_path / "run"), weights(single_2b)
     assert a.keys() == b.keys()  # the same layout (tied weights stored once) as a single-process checkpoint
-    weight_gap = max((a[k] - b[k]).abs().max().item() for k in a)
+    weight_gap = max((without_key_bias(k, a[k]) - without_key_bias(k, b[k])).abs().max().item() for k in a)
     print(f"{strategy}: loss curves differ by at most {loss_gap:.2e} over 50 steps, weights by {weight_gap:.2e}")
     assert loss_gap < 1e-5
     assert weight_gap < 1e-3  # AdamW divides by sqrt(v): weights with tiny gradients amplify rounding

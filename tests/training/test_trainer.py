@@ -1,3 +1,4 @@
+import contextlib
 import os
 import signal
 
@@ -239,3 +240,31 @@ def test_an_unwritable_run_directory_fails_before_training(tmp_path):
     (tmp_path / "a-file").write_text("x")
     with pytest.raises(ConfigError, match=r"^cannot write the run directory .*a-file/run: Not a directory$"):
         setup_run(load_run_config(recipe(tmp_path), []), tmp_path / "a-file" / "run", show_progress=False)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_precision_is_chosen_recorded_and_kept_on_resume(tmp_path, monkeypatch, native):
+    """train.precision auto -> bf16 where bf16 is native, fp32 elsewhere (mocked answers); the checkpoint records
+    the choice (train.precision) and its reason and machine (machine section); a resume continues in it, also on a
+    machine where auto would choose otherwise."""
+    from tokenloom import hardware
+    from tokenloom.checkpoint import read_config
+
+    found = hardware.Bf16Support(native, "mocked: native" if native else "mocked: emulated")
+    monkeypatch.setattr(hardware, "bf16_support", lambda: found)
+    monkeypatch.setattr(hardware, "_warned_emulated", False)
+    monkeypatch.setattr(hardware, "bf16_matmul_speedup", lambda: 0.3)
+    cfg = recipe(tmp_path, precision="auto", max_steps=4)
+    trainer, _ = run(cfg, tmp_path / "r", overrides=["train.stop_after_steps=2"])
+    chosen = "bf16" if native else "fp32"
+    assert trainer.config.train.precision == chosen and (trainer.master is not None) is native
+    saved = read_config(tmp_path / "r" / "checkpoint")
+    assert saved["train"]["precision"] == chosen
+    assert saved["machine"]["precision"] == {"requested": "auto", "chosen": chosen, "reason": found.reason}
+    assert saved["machine"]["cpu"] == hardware.machine().cpu and saved["machine"]["torch"] == hardware.machine().torch
+    other = hardware.Bf16Support(not native, "mocked: the other machine")
+    monkeypatch.setattr(hardware, "bf16_support", lambda: other)
+    with pytest.warns(hardware.EmulatedBf16Warning) if native else contextlib.nullcontext():  # bf16 where emulated
+        resumed, _ = run(load_run_config(read_config(tmp_path / "r")).to_dict(), tmp_path / "r", resume=True)
+    assert resumed.config.train.precision == chosen and resumed.step == 4
+    assert resumed.precision.requested == "auto" and "chosen when the run started" in resumed.precision.reason

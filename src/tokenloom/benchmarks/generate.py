@@ -28,7 +28,6 @@ import argparse
 import contextlib
 import copy
 import os
-import platform
 import sys
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ import torch
 from torch import Tensor
 
 from tokenloom.benchmarks import report_load_and_save
+from tokenloom.hardware import machine
 from tokenloom.interop import to_hf
 from tokenloom.models.gpt import GPT, GPTConfig
 
@@ -308,12 +308,12 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    print(f"torch {torch.__version__}, transformers {transformers.__version__}, {args.threads} threads")
+    print(f"{machine().describe()}, transformers {transformers.__version__}")
     load_before = os.getloadavg()[0]
     results = bench(args)
     print_tables(results, args.reference_loop)
     results.update(torch=torch.__version__, transformers=transformers.__version__, threads=args.threads,
-                   date=time.strftime("%Y-%m-%d"), machine=platform.processor() or platform.machine())
+                   date=time.strftime("%Y-%m-%d"), machine=machine().as_dict())
     report_load_and_save(results, load_before, args.threads, args.out)
 
 

@@ -25,7 +25,6 @@ import argparse
 import contextlib
 import copy
 import os
-import platform
 import statistics
 import sys
 import time
@@ -37,6 +36,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from tokenloom.benchmarks import report_load_and_save
+from tokenloom.hardware import machine
 from tokenloom.interop import to_hf
 from tokenloom.models.gpt import GPT, GPTConfig
 from tokenloom.training.compile import CompiledForward
@@ -297,8 +297,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     info = dict(torch=torch.__version__, threads=args.threads, date=time.strftime("%Y-%m-%d"),
-                machine=platform.processor() or platform.machine())
-    print(f"torch {torch.__version__}, {args.threads} threads, {info['machine']}")
+                machine=machine().as_dict())
+    print(machine().describe())
     load_before = os.getloadavg()[0]
     if args.loss_curve:
         results: dict = dict(info, loss_curve=loss_curve(args.loss_curve, args.data, args.seed))

@@ -87,7 +87,10 @@ def measure(backend: str, length: int, causal: bool, args: argparse.Namespace) -
 
 
 def bench_attention(args: argparse.Namespace) -> int:
-    import torch
+    import dataclasses
+    import datetime
+
+    from ..hardware import machine
 
     for name in ("batch", "heads", "head_dim", "repeats", "threads"):
         if getattr(args, name) < 1:
@@ -132,14 +135,15 @@ def bench_attention(args: argparse.Namespace) -> int:
         lines.append(f"| {r['mode']} | {r['backend']} | {r['length']} | {1000 * r['seconds']:.1f} | "
                      f"{r['extra_mib']:.1f} | {r.get('speedup', 0):.2f}x | {memory_ratio} | {error} |")
     table = "\n".join(lines)
-    print(f"attention: batch {args.batch}, {args.heads} heads, head dim {args.head_dim}, float32, "
-          f"{args.threads} threads, torch {torch.__version__}; forward pass, fastest of {args.repeats}; extra MiB = "
-          f"peak resident memory during the call minus before it; rel. error = |out - exact| / |exact| "
-          f"(lengths <= {args.error_max_length})\n\n{table}")
+    described = dataclasses.replace(machine(), threads=args.threads).describe()  # the workers' threads
+    print(f"attention: batch {args.batch}, {args.heads} heads, head dim {args.head_dim}, float32; forward pass, "
+          f"fastest of {args.repeats}; extra MiB = peak resident memory during the call minus before it; rel. error = "
+          f"|out - exact| / |exact| (lengths <= {args.error_max_length})\n{described}\n\n{table}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "attention-bench.md").write_text(table + "\n", encoding="utf-8")
+        (out / "attention-bench.md").write_text(f"{table}\n\nMeasured on: {described}, "
+                                                f"{datetime.date.today().isoformat()}\n", encoding="utf-8")
         _plot(rows, out / "attention-bench.png")
     return 0
 
@@ -214,6 +218,8 @@ def bench_roofline(args: argparse.Namespace) -> int:
     """The machine's limits, measured now: matrix-product peak in float32 and bfloat16, memory bandwidth."""
     import torch
 
+    from ..hardware import machine
+
     if args.size < 64:
         raise ConfigError(f"--size must be >= 64, got {args.size}")
     if args.threads:
@@ -227,7 +233,7 @@ def bench_roofline(args: argparse.Namespace) -> int:
             ("memory copy bandwidth", f"{copy / 1e9:.1f} GB/s", "y.copy_(x): bytes read + written"),
             ("ridge point, float32", f"{fp32 / read:.0f} FLOP/byte", "below it a kernel is bandwidth-bound"),
             ("ridge point, bfloat16", f"{bf16 / read:.0f} FLOP/byte", "")]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads\n")
+    print(f"{machine().describe()}\n")
     print("| quantity | measured | note |\n|---|---:|---|")
     for name, value, note in rows:
         print(f"| {name} | {value} | {note} |")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import signal
@@ -19,7 +20,36 @@ from ..errors import ConfigError, GenerationError, TrainingError
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --precision -> the weights' dtype
 
 
+@functools.lru_cache(maxsize=8)
+def _inference_choice(precision: str, width: int):
+    from ..hardware import cache_dir, choose_inference_precision, remembered
+    from ..nn.fused import decode_bf16_speedup
+
+    kept = []
+
+    def speedup() -> float:
+        value, cached = remembered(f"decode bf16 speedup, width {width}", lambda: decode_bf16_speedup(width))
+        kept.append(cached)
+        return value
+
+    choice = choose_inference_precision(precision, speedup)
+    if choice.requested == "auto":
+        note = f" (measured on an earlier run, kept in {cache_dir() / 'measurements.json'})" if any(kept) else ""
+        print(choice.describe() + note, file=sys.stderr)
+    return choice
+
+
+def load_inference_model(checkpoint: str | Path, precision: str):
+    """(model in eval mode, config) like :func:`load_model`, its weights in ``--precision`` (auto | fp32 | bf16).
+    ``auto`` measures the decode step's kernels at the model's width, once per process and width
+    (:func:`tokenloom.hardware.choose_inference_precision`), and says on stderr what it picked and why."""
+    model, config = load_model(checkpoint)  # a missing or corrupt checkpoint fails before anything is measured
+    width = int((config.get("model") or {}).get("embed_dim") or 512)
+    return model.to(PRECISIONS[_inference_choice(precision, width).precision]), config
+
+
 def train(args: argparse.Namespace) -> int:
+    from ..hardware import machine
     from ..training import load_run_config, setup_run
     from ..training.distributed import resolve_backend, session, torchrun_world
 
@@ -57,8 +87,9 @@ def train(args: argparse.Namespace) -> int:
         n_params = sum(p.numel() for p in trainer.model.parameters())
         say = (lambda text: print(text, file=sys.stderr)) if where.is_main else (lambda text: None)
         how = f", {where.world_size} processes ({where.strategy}, {where.backend})" if where.active else ""
-        say(f"training {config.task} model ({n_params / 1e6:.2f}M parameters, {t.precision}{how}) for "
-            f"{t.max_steps} steps from step {trainer.step} -> {out}")
+        say(f"training {config.task} model ({n_params / 1e6:.2f}M parameters, {trainer.precision.precision}{how}) "
+            f"for {t.max_steps} steps from step {trainer.step} -> {out}")
+        say(f"{trainer.precision.describe()}; {machine().describe()}")
         try:
             summary = trainer.fit()
         except RuntimeError as err:
@@ -188,7 +219,7 @@ def generate(args: argparse.Namespace) -> int:
     from .vision import refuse_image_checkpoint
 
     refuse_image_checkpoint(args.checkpoint, "generate", "`tokenloom classify`")
-    model, _ = load_model(args.checkpoint, dtype=PRECISIONS[args.precision])
+    model, _ = load_inference_model(args.checkpoint, args.precision)
     tokenizer = load_tokenizer(args.checkpoint)
     if getattr(model, "decoder_for", None) is not None:
         raise ConfigError("this is a translation model: use `tokenloom translate`")
@@ -255,7 +286,7 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.metrics or args.source or args.reference:
         raise ConfigError("--metrics, --source and --reference apply to translation models; a language model "
                           "reports loss and perplexity")
-    model, _ = load_model(ckpt, dtype=PRECISIONS[args.precision])
+    model, _ = load_inference_model(ckpt, args.precision)
     tokenizer = load_tokenizer(ckpt)
     data = config.get("data") or {}
     if not args.data and not data.get("path"):
@@ -323,7 +354,7 @@ def _translation_model(checkpoint: str | Path, precision: str):
     if family not in ("seq2seq", "nat"):
         raise ConfigError(f"{ckpt} holds a {family!r} model; translation needs an encoder-decoder (family seq2seq "
                           f"or nat)")
-    model, _ = load_model(ckpt, dtype=PRECISIONS[precision])
+    model, _ = load_inference_model(ckpt, precision)
     return ckpt, model, load_tokenizer(ckpt)
 
 

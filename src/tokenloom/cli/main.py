@@ -14,6 +14,16 @@ from collections.abc import Callable
 from ..errors import ConfigError, TokenloomError
 
 
+def _add_precision(p: argparse.ArgumentParser, default: str = "auto") -> None:
+    if default == "auto":  # the commands that run a model: $TOKENLOOM_PRECISION sets the default (e.g. fp32 in tests)
+        default = os.environ.get("TOKENLOOM_PRECISION") or default
+        text = ("the weights' dtype; auto: bf16 where this CPU has native bf16 matrix instructions and the decode step "
+                "measures faster with it, else fp32 (said on stderr); default: $TOKENLOOM_PRECISION or auto")
+    else:
+        text = f"the weights' dtype (default {default})"
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default=default, help=text)
+
+
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model from a YAML recipe",
                        description="Train from a recipe; the run directory holds the checkpoint and metrics.")
@@ -55,7 +65,7 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-repeat-ngram-size", type=int, default=0, help="beam search: never repeat an n-gram")
     p.add_argument("--num-samples", type=int, default=1)
     p.add_argument("--seed", type=int, default=None)
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    _add_precision(p)
     p.add_argument("--compile", action="store_true",
                    help="one-token steps through torch.compile over a static cache (warns and runs eagerly where "
                         "it cannot; see docs/performance.md for when it pays)")
@@ -83,7 +93,7 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--output", default=None, help="translation: write the hypotheses to this file; image: the "
                    "confusion-matrix PNG (default: <checkpoint>-confusion-<split>.png next to the checkpoint)")
     p.add_argument("--no-plot", action="store_true", help="image: do not draw the confusion-matrix PNG")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    _add_precision(p)
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
     p.set_defaults(func=_run("evaluate"))
 
@@ -112,7 +122,7 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch (times the beam)")
     p.add_argument("--too-long", choices=["truncate", "error"], default="truncate",
                    help="a source longer than the model's limit: truncate with a warning, or refuse")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    _add_precision(p)
     p.set_defaults(func=_run("translate"))
 
 
@@ -127,7 +137,7 @@ def _add_classify(sub: argparse._SubParsersAction) -> None:
                    help="an image of another size or mode: convert it with a warning (default), or refuse")
     p.add_argument("--invert", action="store_true",
                    help="invert the pixels first (dark digits on light paper for an MNIST model)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    _add_precision(p)
     p.add_argument("--json", action="store_true", help="print the predictions as one JSON object")
     p.set_defaults(func=_run("classify"))
 
@@ -144,7 +154,7 @@ def _add_distill(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch (times the beam)")
     p.add_argument("--chunk", type=int, default=1000, help="sentences per progress step")
     p.add_argument("--limit", type=int, default=None, help="only the first N pairs (a quick look)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    _add_precision(p)
     p.add_argument("--force", action="store_true", help="write into a non-empty --out")
     p.set_defaults(func=_run_in("translation", "distill"))
 
@@ -161,7 +171,7 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     t.add_argument("--latency-sentences", type=int, default=200,
                    help="sentences translated one at a time for the batch-1 latency (default 200)")
     t.add_argument("--limit", type=int, default=None, help="only the first N sentences of the split")
-    t.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    _add_precision(t, default="fp32")
     t.add_argument("--out", default=None, help="folder for translate-bench.md / .csv / .png")
     t.set_defaults(func=_run_in("translation", "bench_translate"))
     a = bench.add_parser("attention", help="time and peak memory of the attention backends over sequence lengths",
@@ -302,7 +312,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request ends (504)")
     p.add_argument("--model-name", default=None, help="the model id in the API (default: the run's name)")
-    p.add_argument("--precision", choices=["fp32", "bf16"], default="fp32")
+    _add_precision(p)
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=_run_in("serve", "serve"))
 

@@ -6,7 +6,7 @@ import argparse
 import os
 import sys
 
-from ..checkpoint import load_model, load_tokenizer, read_config, resolve_checkpoint
+from ..checkpoint import load_tokenizer, read_config, resolve_checkpoint
 from ..errors import ConfigError
 
 
@@ -18,7 +18,7 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise ConfigError(f"serving needs {err.name or 'fastapi and uvicorn'}: pip install 'tokenloom[serve]'") \
             from None
-    from .commands import PRECISIONS
+    from .commands import load_inference_model
 
     for name in ("max_batch", "max_queue", "max_tokens", "max_body_bytes"):
         if getattr(args, name) < 1:
@@ -30,7 +30,7 @@ def serve(args: argparse.Namespace) -> int:
     if family not in ("gpt", "seq2seq", "nat"):
         raise ConfigError(f"{ckpt} holds a {family!r} model; the server serves language models (gpt) and "
                           "translation models (seq2seq, nat)")
-    model, _ = load_model(ckpt, dtype=PRECISIONS[args.precision])
+    model, _ = load_inference_model(ckpt, args.precision)
     tokenizer = load_tokenizer(ckpt)
     name = args.model_name or (ckpt.parent.name if ckpt.name == "checkpoint" else ckpt.name)
     api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY") or None

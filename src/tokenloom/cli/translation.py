@@ -122,6 +122,7 @@ def bench_translate(args: argparse.Namespace) -> int:
     beam 5; every model and decoding measured in this one run (the latencies in turns: ``LATENCY_ROUNDS`` blocks of
     sentences, each block by every decoding). Markdown and CSV (and a PNG) under --out."""
     from ..evaluation import compute_metrics
+    from ..hardware import machine
     from ..tasks.translation import translate
 
     for name in ("batch", "latency_sentences"):
@@ -196,16 +197,16 @@ def bench_translate(args: argparse.Namespace) -> int:
     lines = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     lines += ["| " + " | ".join(str(r[k]) if r[k] is not None else "-" for k in header) + " |" for r in rows]
     table = "\n".join(lines)
-    print(f"{args.split}: {len(sources)} sentences, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-          f"{args.precision}\n\n{table}")
+    described, date = machine().describe(), datetime.date.today().isoformat()
+    print(f"{args.split}: {len(sources)} sentences, {args.precision}\n{described}\n\n{table}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
-        (out / "translate-bench.md").write_text(table + "\n", encoding="utf-8")
+        (out / "translate-bench.md").write_text(f"{table}\n\nMeasured on: {described}, {date}\n", encoding="utf-8")
         buffer = io.StringIO()
-        writer = csv.DictWriter(buffer, fieldnames=header)
+        writer = csv.DictWriter(buffer, fieldnames=[*header, "machine", "date"])
         writer.writeheader()
-        writer.writerows(rows)
+        writer.writerows({**r, "machine": described, "date": date} for r in rows)
         (out / "translate-bench.csv").write_text(buffer.getvalue(), encoding="utf-8")
         _scatter(rows, out / "translate-bench.png")
     return 0

@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ..checkpoint import load_model, read_config, resolve_checkpoint
+from ..checkpoint import read_config, resolve_checkpoint
 from ..errors import ConfigError
-from .commands import PRECISIONS
+from .commands import load_inference_model
 
 IMAGE_TASK = "image_classification"
 
@@ -42,7 +42,7 @@ def _image_model(checkpoint: str | Path, precision: str) -> tuple[Path, torch.nn
         family = (config.get("model") or {}).get("family", "gpt")
         raise ConfigError(f"{ckpt} holds a {config.get('task', 'lm')!r} model ({family}); classify needs an "
                           f"image classification checkpoint")
-    model, _ = load_model(ckpt, dtype=PRECISIONS[precision])
+    model, _ = load_inference_model(ckpt, precision)
     return ckpt, model, config
 
 

@@ -26,7 +26,7 @@ import warnings
 import torch
 from torch import Tensor, nn
 
-from ..compilation import compile_unavailable, first_line, from_compiler
+from ..compilation import compile_unavailable, first_line, from_compiler, separate_inductor_cache
 from ..nn import KVCache
 
 CACHE_MULTIPLE = 64  # static cache lengths are rounded up to this (within the model's context)
@@ -85,6 +85,7 @@ class StaticDecodeStep:
         self.cache, self.key_mask = cache, key_mask
         self.pos = torch.zeros(1, dtype=torch.long, device=key_mask.device if key_mask is not None else
                                cache.layers[0][0].device)  # (1,) the position written
+        separate_inductor_cache()
         self.compiled = torch.compile(model.static_step, backend=backend or BACKEND, dynamic=False, fullgraph=True)
 
     def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor | None:

@@ -61,7 +61,9 @@ def linear_add(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor)
 
 # --- decode-step linear layers --------------------------------------------------------------------------------------
 
-_REORDER = getattr(torch.ops.mkldnn, "_reorder_linear_weight", None) if _OPS is not None else None
+# oneDNN's packed bf16 weights need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and an ONEDNN_MAX_CPU_ISA that allows them
+_REORDER = (getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
+            if _OPS is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None)
 # id(weight) -> (weakref to weight, data_ptr, version, kind, prepared weight): see :func:`decode_linear`
 _PREPARED: dict[int, tuple[weakref.ref, int, int, str, Tensor]] = {}
 
@@ -78,7 +80,8 @@ def decode_linear(weight: Tensor, bias: Tensor | None, rows: int | None = None) 
       count: ``addmm`` on a transposed, contiguous copy of the weight, which MKL's small-M path reads faster:
       1.3-1.5x (e.g. 8 x 768 -> 2304: 445 -> 355 us), 1.2x for GPT-2's 768 -> 50,257 head at one row (5.3 ->
       4.4 ms); equal to float rounding.
-    * otherwise (float32 layers at one row, other devices and dtypes, no oneDNN): ``F.linear`` itself.
+    * otherwise (float32 layers at one row, other devices and dtypes, no oneDNN or a CPU whose oneDNN has no bf16
+      path, such as AVX2-only ones): ``F.linear`` itself.
 
     The prepared weight is made on the first call that needs it and kept (one more copy of the weight in
     memory) while the weight's storage and version counter are unchanged, so a training step, ``load_state_dict``
@@ -123,3 +126,29 @@ def decode_linear(weight: Tensor, bias: Tensor | None, rows: int | None = None) 
             w_t = prepared()
             return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
     return run
+
+
+def decode_bf16_speedup(width: int, rows: int = 1, repeats: int = 15) -> float:
+    """How many times faster a decode step's MLP input layer (``rows`` x ``width`` -> 4 ``width``, through
+    :func:`decode_linear`, the kernels the decode step runs) is with bfloat16 weights than with float32 ones, measured
+    now, the two taking turns (< 1: bf16 is slower). Tens of milliseconds at a GPT-2-small width; what
+    ``--precision auto`` decides on."""
+    import time
+
+    runs = []
+    gen = torch.Generator().manual_seed(0)  # never the global generator: sampling after it stays as it was
+    for dtype in (torch.float32, torch.bfloat16):
+        weight = torch.randn(4 * width, width, generator=gen).to(dtype) / width ** 0.5
+        runs.append((decode_linear(weight, torch.zeros(4 * width, dtype=dtype), rows),
+                     torch.randn(rows, width, generator=gen).to(dtype)))
+    best = [float("inf"), float("inf")]
+    with torch.no_grad():
+        for run, x in runs:  # warm-up: prepares the packed weight, creates the kernels
+            run(x)
+        for _ in range(repeats):
+            for i, (run, x) in enumerate(runs):
+                start = time.perf_counter()
+                for _ in range(4):
+                    run(x)
+                best[i] = min(best[i], time.perf_counter() - start)
+    return best[0] / best[1]

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..compilation import compile_unavailable, first_line, from_compiler
+from ..compilation import compile_unavailable, first_line, from_compiler, separate_inductor_cache
 
 
 class CompiledForward:
@@ -30,6 +30,7 @@ class CompiledForward:
         if reason is not None:
             warnings.warn(f"train.compile: {reason}; training eagerly", stacklevel=2)
         else:
+            separate_inductor_cache()
             self.compiled = torch.compile(model, mode=mode)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:

@@ -5,7 +5,7 @@ Example (configs/shakespeare-char.yaml)::
     task: lm
     model: {family: gpt, num_layers: 6, num_heads: 6, embed_dim: 384, max_seq_len: 256}
     data: {path: data/tinyshakespeare/input.txt, tokenizer: char}
-    train: {max_steps: 2000, batch_size: 16, lr: 1.0e-3, precision: bf16}
+    train: {max_steps: 2000, batch_size: 16, lr: 1.0e-3, precision: auto}
 """
 
 from __future__ import annotations
@@ -77,7 +77,9 @@ class TrainConfig:
     keep_checkpoints: int = 1  # checkpoints kept: <run>/checkpoint and the previous ones in <run>/history
     max_nonfinite: int = 10  # a NaN/Inf loss or gradient skips the update; this many in a row stop the run (0: never)
     label_smoothing: float = 0.0  # 0.1 in the original Transformer
-    precision: Literal["fp32", "bf16", "bf16-autocast"] = "bf16"  # bf16: bf16 model, fp32 master weights
+    precision: Literal["auto", "fp32", "bf16", "bf16-autocast"] = "auto"  # bf16: bf16 model, fp32 master weights;
+    #   auto: bf16 where the CPU has native bf16 matrix instructions (AMX, AVX512-BF16), else fp32 (hardware.py);
+    #   a checkpoint records the precision chosen (and the machine and reason in its `machine` section)
     eval_every: int = 250  # steps between validation runs (0 = only at the end)
     eval_batches: int = 20  # validation batches per evaluation
     checkpoint_every: int = 500  # steps between checkpoints (0 = only at the end)
@@ -137,6 +139,8 @@ class RunConfig:
     data: dict[str, Any] = field(default_factory=dict)  # the task's data section
     train: TrainConfig = field(default_factory=TrainConfig)
     tokenizer: dict[str, Any] = field(default_factory=dict)  # recorded by checkpoints: eos_token
+    machine: dict[str, Any] = field(default_factory=dict)  # recorded by checkpoints: the CPU trained on, the precision
+    #   asked for and chosen, and why
 
     def __post_init__(self) -> None:
         check_choice("task", self.task, TASKS)

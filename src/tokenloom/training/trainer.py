@@ -11,6 +11,7 @@ rank 0 logs and writes the checkpoints.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import math
 import os
@@ -31,6 +32,7 @@ from tqdm.auto import tqdm
 
 from ..checkpoint import STATE_FILE, resolve_checkpoint, write_checkpoint
 from ..errors import CheckpointError, TrainingError
+from ..hardware import choose_precision, machine
 from ..nn.modes import eval_mode
 from . import distributed
 from .compile import CompiledForward
@@ -47,6 +49,18 @@ class Trainer:
     def __init__(self, config: RunConfig, model: nn.Module, task: Any, run_dir: str | Path, *,
                  tokenizer: Any = None, model_section: dict[str, Any] | None = None,
                  show_progress: bool | None = None, dist: Distributed = SINGLE) -> None:
+        # train.precision auto -> bf16 or fp32 for this machine; the checkpoint records the choice (resuming
+        # elsewhere continues in it) and its `machine` section the CPU and the reason
+        self.precision = choose_precision(config.train.precision)
+        recorded = config.machine.get("precision") or {}
+        if recorded.get("requested") == "auto" and recorded.get("chosen") == self.precision.precision:  # a resume
+            self.precision = dataclasses.replace(self.precision, requested="auto",
+                                                 reason=f"chosen when the run started: {recorded.get('reason')}")
+        if dist.active:  # every process trains in rank 0's choice (a measured choice could differ between them)
+            self.precision = dist.broadcast_object(self.precision if dist.is_main else None)
+        if self.precision.precision != config.train.precision:
+            config = dataclasses.replace(config, train=dataclasses.replace(config.train,
+                                                                           precision=self.precision.precision))
         self.config, self.model, self.task = config, model, task
         self.run_dir = Path(run_dir)
         self.tokenizer = tokenizer
@@ -94,6 +108,7 @@ class Trainer:
             data["data"] = {**(data.get("data") or {}), **self.task.checkpoint_data()}
         eos = getattr(self.tokenizer, "eos_token", None)
         data["tokenizer"] = {"eos_token": eos} if eos is not None else {}
+        data["machine"] = {**machine().as_dict(), "precision": self.precision.as_dict()}
         return data
 
     def save(self) -> Path:
