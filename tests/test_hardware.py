@@ -98,7 +98,7 @@ def test_a_bad_precision_is_a_one_line_config_error():
 @pytest.mark.parametrize("speedup, chosen", [(2.7, "bf16"), (1.1, "fp32"), (0.4, "fp32")])
 def test_inference_auto_measures_only_where_bf16_is_native(speedup, chosen):
     choice = choose_inference_precision("auto", lambda: speedup, support=lambda: NATIVE)
-    assert choice.precision == chosen and f"measured {speedup:.2f}x faster" in choice.reason
+    assert choice.precision == chosen and f"ran {speedup:.2f}x as fast with bf16" in choice.reason
     assert ("under the 1.25x that pays" in choice.reason) is (chosen == "fp32")
     emulated = choose_inference_precision("auto", never, support=lambda: EMULATED)
     assert emulated.precision == "fp32" and emulated.reason == EMULATED.reason

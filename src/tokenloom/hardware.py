@@ -301,6 +301,6 @@ def choose_inference_precision(requested: str, decode_speedup: Callable[[], floa
         return PrecisionChoice("fp32", requested, found.reason)
     speedup = decode_speedup()
     pick = "bf16" if speedup >= threshold else "fp32"
-    return PrecisionChoice(pick, requested, f"{found.reason}; the decode step's matrix-vector product measured "
-                                            f"{speedup:.2f}x faster with bf16 weights"
+    return PrecisionChoice(pick, requested, f"{found.reason}; the decode step's matrix-vector product ran "
+                                            f"{speedup:.2f}x as fast with bf16 weights"
                                             + ("" if pick == "bf16" else f", under the {threshold}x that pays"))

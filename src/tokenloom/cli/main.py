@@ -404,7 +404,14 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001 - warnings' signature
+    return f"warning: {message}\n"
+
+
 def main(argv: list[str] | None = None) -> int:
+    import warnings
+
+    warnings.formatwarning = _one_line_warning  # "warning: ..." on stderr, without the file and line
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if getattr(args, "passthrough", False):
