@@ -125,3 +125,19 @@ def test_generate_with_beam_search(trained, capsys):
     expected = "ROMEO:" + tok.decode(best.sequences[0, 0, ids.shape[1]:].tolist())
     first = out.split("--- hypothesis 2")[0].split("---\n", 1)[1]
     assert first == expected + "\n"  # the printed best hypothesis is beam search's best
+
+
+@pytest.mark.parametrize("argv, error", [
+    (["--temperature", "1e-38"], "temperature must be 0 (greedy) or a finite number >= 1.18e-38"),
+    (["--seed", str(2 ** 64)], "seed must be an integer in [0, 2^64) or None, got 18446744073709551616"),
+    (["--top-p", "1e-300"], None),  # 0 in float32: the top token stays
+    (["--seed", str(2 ** 64 - 1), "--num-samples", "2"], None),  # the second sample's seed wraps into range
+])
+def test_extreme_sampling_settings_are_one_line_errors_or_work(trained, capsys, argv, error):
+    """These printed tracebacks (exit 1) from inside the sampler (issue 23)."""
+    code = main(["generate", str(trained / "run"), "--prompt", "ab", "--max-new-tokens", "4", *argv])
+    err = capsys.readouterr().err
+    if error is None:
+        assert code == 0, err
+    else:
+        assert code == 2 and err.startswith("error: ") and error in err and "Traceback" not in err

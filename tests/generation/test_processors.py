@@ -76,7 +76,8 @@ def test_repetition_penalty_formula():
 
 def test_temperature():
     scores = torch.tensor([[1.0, 2.0, 4.0]])
-    assert torch.equal(TemperatureProcessor(0.5)(NO_IDS, scores), torch.tensor([[2.0, 4.0, 8.0]]))
+    # scores / t, shifted so the largest is 0 (softmax and the filters after it do not see a shift)
+    assert torch.equal(TemperatureProcessor(0.5)(NO_IDS, scores), torch.tensor([[2.0, 4.0, 8.0]]) - 8.0)
     sharp = TemperatureProcessor(0.5)(NO_IDS, scores).softmax(-1)
     flat = TemperatureProcessor(2.0)(NO_IDS, scores).softmax(-1)
     assert sharp[0, 2] > scores.softmax(-1)[0, 2] > flat[0, 2]
@@ -111,13 +112,17 @@ def test_create_processors_skips_no_ops():
     (dict(top_p=1.5), "top_p must be in (0, 1] or None, got 1.5"),
     (dict(top_p=0.0), "top_p must be in (0, 1] or None, got 0.0"),
     (dict(top_k=0), "top_k must be a positive integer or None, got 0"),
-    (dict(temperature=-0.5), "temperature must be a finite number >= 0 (0 = greedy), got -0.5"),
+    (dict(temperature=-0.5), "temperature must be 0 (greedy) or a finite number >= 1.18e-38 (the smallest normal "
+                             "float32, the dtype it divides in), got -0.5"),
+    (dict(temperature=1e-39), "temperature must be 0 (greedy) or a finite number >= 1.18e-38 (the smallest normal "
+                              "float32, the dtype it divides in), got 1e-39"),
     (dict(max_new_tokens=0), "max_new_tokens must be a positive integer, got 0"),
     (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0 (1 = off), got 0.0"),
     (dict(eos_token_id=-1), "eos_token_id must be a token id >= 0 or None, got -1"),
     (dict(stop_strings="\n"), "stop_strings must be a list of strings, got '\\n'"),
     (dict(stop_strings=[""]), "stop_strings must hold non-empty strings, got ''"),
-    (dict(seed=1.5), "seed must be an integer >= 0 or None, got 1.5"),
+    (dict(seed=1.5), "seed must be an integer in [0, 2^64) or None, got 1.5"),
+    (dict(seed=2 ** 64), "seed must be an integer in [0, 2^64) or None, got 18446744073709551616"),
 ])
 def test_config_rejects_bad_values(kwargs, message):
     with pytest.raises(ConfigError) as err:
@@ -129,3 +134,18 @@ def test_config_greedy_flag():
     assert GenerationConfig(do_sample=False).greedy
     assert GenerationConfig(temperature=0).greedy
     assert not GenerationConfig().greedy
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extreme_accepted_settings_still_give_a_distribution(dtype):
+    """Any accepted temperature and top_p yields scores that sample: the smallest temperature (logits divided in
+    float32 or bf16 overflowed to inf, then NaN) and a top_p that is 0 once cast (it removed even the top token)."""
+    from tokenloom.generation.config import MIN_TEMPERATURE, GenerationConfig
+
+    scores = torch.tensor([[3.0, -1.0, 7.5, 7.0, -80.0]], dtype=dtype)
+    for config in (GenerationConfig(temperature=MIN_TEMPERATURE), GenerationConfig(top_p=1e-300),
+                   GenerationConfig(temperature=MIN_TEMPERATURE, top_p=1e-46, top_k=2)):
+        out = create_processors(config)(NO_IDS, scores.clone())
+        probs = out.float().softmax(-1)
+        assert torch.isfinite(probs).all() and probs.sum().item() == pytest.approx(1.0)
+        assert int(torch.multinomial(probs, 1)) == int(scores.float().argmax())

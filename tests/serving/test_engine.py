@@ -122,3 +122,25 @@ def test_ragged_step_equals_the_uncached_forward_for_rows_of_different_lengths(p
         planned = model.ragged_step(last, lengths, plain, model.ragged_plan(plain))
     torch.testing.assert_close(modules, reference, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(planned, reference, rtol=1e-5, atol=1e-5)
+
+
+def test_a_request_that_fails_to_start_fails_alone_and_the_engine_goes_on():
+    """An error while a request starts (here a seed past the generator's range, set behind the config's
+    validation, as the server's derived seeds once were) fails that request only: the engine thread did exit, and
+    every later request hung."""
+    model = small_model()
+    engine = Engine(model, Letters(), max_batch=2, max_queue=8).start()
+    try:
+        bad = GenerationConfig(max_new_tokens=3, do_sample=True, seed=1)
+        object.__setattr__(bad, "seed", 2 ** 64)  # torch.Generator.manual_seed raises for it
+        good = GenerationConfig(max_new_tokens=4, do_sample=False)
+        (text, reason), (text2, reason2) = run_all(engine, [([1, 2, 3], bad, []), ([4, 5], good, [])])
+        assert reason.startswith("error: generation failed") and text == ""
+        expected = generate(model, torch.tensor([[4, 5]]), good)[0, 2:].tolist()
+        assert reason2 == "length" and text2 == Letters().decode(expected)
+        assert engine.alive
+        [(again, why)] = run_all(engine, [([4, 5], good, [])])  # and it keeps serving
+        assert (again, why) == (text2, "length")
+    finally:
+        engine.stop()
+    assert not engine.alive

@@ -157,6 +157,9 @@ def test_32_concurrent_requests_complete_with_the_offline_outputs(server, offlin
     ({"prompt": "ROMEO:", "max_tokens": -3}, None, 400, "invalid_value"),
     ({"prompt": "ROMEO:", "max_tokens": 10 ** 9}, None, 400, "invalid_value"),
     ({"prompt": "ROMEO:", "temperature": 7}, None, 400, "invalid_value"),
+    # these three passed validation and stopped the engine thread: every later request hung (issue 23)
+    ({"prompt": "A", "temperature": 1e-300, "max_tokens": 3}, None, 400, "invalid_value"),
+    ({"prompt": "A", "seed": 2 ** 64, "max_tokens": 3}, None, 400, "invalid_value"),
     ({"prompt": "ROMEO:", "stream": "yes"}, None, 400, "invalid_type"),
     ({}, None, 400, "missing_field"),
     ({"prompt": "x" * 400}, None, 400, "context_length_exceeded"),
@@ -170,6 +173,19 @@ def test_bad_requests_get_the_right_status_and_an_openai_error(server, offline, 
     error = r.json()["error"]
     assert error["code"] == code and error["message"] and "\n" not in error["message"]
     assert set(error) == {"message", "type", "param", "code"}
+    assert_still_serving(server, offline)
+
+
+@pytest.mark.parametrize("body", [
+    {"prompt": "A", "top_p": 1e-46, "max_tokens": 3, "temperature": 1},  # 0 in float32: it removed the top token
+    {"prompt": "A", "seed": 2 ** 64 - 1, "n": 3, "max_tokens": 3},  # seed + j past 2^64 for the later choices
+    {"prompt": "A", "temperature": 1.2e-38, "max_tokens": 3},  # the smallest accepted temperature
+])
+def test_extreme_accepted_settings_complete_and_the_server_goes_on(server, offline, body):
+    r = post(server, "/v1/completions", body)
+    assert r.status_code == 200, r.text
+    assert all(len(c["text"]) == 3 for c in r.json()["choices"])  # 3 characters (a char model)
+    assert httpx.get(server.url + "/health", timeout=10).json()["status"] == "ok"
     assert_still_serving(server, offline)
 
 

@@ -268,3 +268,55 @@ def test_auto_precision_is_chosen_recorded_and_kept_on_resume(tmp_path, monkeypa
         resumed, _ = run(load_run_config(read_config(tmp_path / "r")).to_dict(), tmp_path / "r", resume=True)
     assert resumed.config.train.precision == chosen and resumed.step == 4
     assert resumed.precision.requested == "auto" and "chosen when the run started" in resumed.precision.reason
+
+
+class _Payload:
+    """Unpickling this runs code (what a crafted trainer_state.pt would do)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (str(self.marker), "w"))
+
+
+def test_resume_never_runs_code_from_the_run_directory(tmp_path):
+    """trainer_state.pt is read with weights_only=True: a crafted object in it (checksums regenerated, so the
+    checkpoint looks intact) is refused with a one-line error and never executed."""
+    from tokenloom.checkpoint import STATE_FILE, write_checksums
+
+    cfg = recipe(tmp_path, max_steps=4)
+    run(cfg, tmp_path / "r", overrides=["train.stop_after_steps=2"])
+    checkpoint = tmp_path / "r" / "checkpoint"
+    state = torch.load(checkpoint / STATE_FILE, weights_only=True)  # what the trainer writes: plain data
+    marker = tmp_path / "pwned"
+    state["last_eval"] = _Payload(marker)
+    torch.save(state, checkpoint / STATE_FILE)
+    write_checksums(checkpoint)
+    with pytest.raises(CheckpointError, match=r"trainer_state.pt holds objects a trainer state never holds; it is "
+                                              r"not loaded, since loading could run code"):
+        run(cfg, tmp_path / "r", resume=True)
+    assert not marker.exists()
+
+
+def test_a_trainer_state_written_with_a_numpy_rng_array_still_resumes_exactly(tmp_path):
+    """States written before the numpy key array became a tensor hold numpy's array: still read (numpy's array
+    reconstruction is allowed), and the resume is exact."""
+    import numpy as np
+
+    from tokenloom.checkpoint import STATE_FILE, write_checksums
+
+    cfg = recipe(tmp_path, max_steps=8)
+    full, _ = run(cfg, tmp_path / "full")
+    run(cfg, tmp_path / "split", overrides=["train.stop_after_steps=4"])
+    checkpoint = tmp_path / "split" / "checkpoint"
+    state = torch.load(checkpoint / STATE_FILE, weights_only=True)
+    name, keys, pos, has_gauss, cached = state["numpy_rng"]
+    old = (name, keys.numpy().astype(np.uint32), pos, has_gauss, cached)  # the earlier layout
+    state["numpy_rng"] = old
+    state["rank_rng"] = [{**state["rank_rng"][0], "numpy": old}]
+    torch.save(state, checkpoint / STATE_FILE)
+    write_checksums(checkpoint)
+    resumed, _ = run(cfg, tmp_path / "split", resume=True)
+    a, b = params(full.model), params(resumed.model)
+    assert all(torch.equal(a[k], b[k]) for k in a)

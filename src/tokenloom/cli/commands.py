@@ -16,6 +16,7 @@ import torch
 
 from ..checkpoint import load_model, load_tokenizer, read_config, resolve_checkpoint
 from ..errors import ConfigError, GenerationError, TrainingError
+from ..generation.config import offset_seed
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --precision -> the weights' dtype
 
@@ -190,7 +191,7 @@ def _stream_text(model, tokenizer, prompt: str, config) -> str:
     remaining, window, chunk = config.max_new_tokens, ids, 0
     while remaining > 0:
         steps = min(remaining, context - len(window))
-        seed = None if config.seed is None else config.seed + chunk
+        seed = offset_seed(config.seed, chunk)
         produced = 0
         for token in stream(model, torch.tensor([window]), replace(config, max_new_tokens=steps, seed=seed),
                             tokenizer=tokenizer):
@@ -233,7 +234,7 @@ def generate(args: argparse.Namespace) -> int:
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1} ---")
-        seed = None if args.seed is None else args.seed + i
+        seed = offset_seed(args.seed, i)
         config = _gen_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              do_sample=not args.greedy and args.temperature > 0, top_k=args.top_k,
                              top_p=args.top_p, repetition_penalty=args.repetition_penalty,

@@ -12,6 +12,20 @@ def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
+SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed takes seeds in [0, 2^64)
+MIN_TEMPERATURE = 1.1754943508222875e-38  # the smallest normal float32 (bf16 has the same range): logits are divided
+#   by the temperature in that dtype, after the largest is subtracted, so any temperature from here on is finite
+
+
+def offset_seed(seed: int | None, k: int) -> int | None:
+    """The seed of the k-th sample of a request seeded with ``seed`` (its windows, its n choices): ``seed + k``,
+    wrapped into the generator's range so that no derived seed can fail. A ``seed`` outside that range is returned
+    as it is, for :class:`GenerationConfig` to refuse."""
+    if seed is None or not (isinstance(seed, int) and 0 <= seed < SEED_LIMIT):
+        return seed
+    return (seed + k) % SEED_LIMIT
+
+
 @dataclass
 class GenerationConfig:
     """How to continue a prompt. Greedy when ``do_sample`` is False or ``temperature`` is 0; beam search
@@ -43,8 +57,9 @@ class GenerationConfig:
         check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
               f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-              and math.isfinite(self.temperature) and self.temperature >= 0,
-              f"temperature must be a finite number >= 0 (0 = greedy), got {self.temperature!r}")
+              and math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
+              f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:.3g} (the smallest normal "
+              f"float32, the dtype it divides in), got {self.temperature!r}")
         if self.top_k is not None:
             check(_is_int(self.top_k) and self.top_k >= 1,
                   f"top_k must be a positive integer or None, got {self.top_k!r}")
@@ -64,7 +79,8 @@ class GenerationConfig:
         for s in self.stop_strings:
             check(isinstance(s, str) and s != "", f"stop_strings must hold non-empty strings, got {s!r}")
         if self.seed is not None:
-            check(_is_int(self.seed) and self.seed >= 0, f"seed must be an integer >= 0 or None, got {self.seed!r}")
+            check(_is_int(self.seed) and 0 <= self.seed < SEED_LIMIT,
+                  f"seed must be an integer in [0, 2^64) or None, got {self.seed!r}")
         check(_is_int(self.num_beams) and self.num_beams >= 1,
               f"num_beams must be a positive integer (1 = no beam search), got {self.num_beams!r}")
         check(isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool)

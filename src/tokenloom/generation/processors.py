@@ -38,7 +38,10 @@ class TemperatureProcessor:
         self.temperature = temperature
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        return scores / self.temperature
+        # the largest score subtracted first (softmax and the filters after it are shift-invariant): every score
+        # becomes <= 0, so dividing by any temperature down to the smallest normal float overflows only to -inf
+        top = scores.amax(dim=-1, keepdim=True)
+        return (scores - top.masked_fill(~torch.isfinite(top), 0.0)) / self.temperature
 
 
 class TopKProcessor:
@@ -70,7 +73,8 @@ class TopPProcessor:
         ranked, order = scores.sort(dim=-1, descending=True, stable=True)  # (B, V)
         probs = ranked.softmax(dim=-1)
         before = probs.cumsum(dim=-1) - probs  # probability of the better-ranked tokens
-        drop = before >= self.top_p  # the better-ranked tokens already reach p (never the top: p > 0)
+        drop = before >= self.top_p  # the better-ranked tokens already reach p
+        drop[..., 0] = False  # never the top token, even for a p that rounds to 0 in the scores' dtype
         return scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 

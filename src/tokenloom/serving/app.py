@@ -22,7 +22,7 @@ from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 
-from ..generation.config import GenerationConfig
+from ..generation.config import MIN_TEMPERATURE, SEED_LIMIT, GenerationConfig, offset_seed
 from .engine import Engine, QueueFull, Request
 from .metrics import Metrics
 from .playground import PLAYGROUND_HTML
@@ -97,9 +97,13 @@ def generation_settings(body: dict, config: ServeConfig, default_max_tokens: int
     if not 1 <= n <= config.max_prompts:
         raise APIError(400, f"'n' must be in [1, {config.max_prompts}], got {n}", param="n", code="invalid_value")
     seed = _field(body, "seed", (int,), None)
-    if seed is not None and seed < 0:
-        raise APIError(400, f"'seed' must be >= 0, got {seed}", param="seed", code="invalid_value")
-    return dict(max_tokens=max_tokens, temperature=_number(body, "temperature", 1.0, 0.0, 2.0),
+    if seed is not None and not 0 <= seed < SEED_LIMIT:
+        raise APIError(400, f"'seed' must be in [0, 2^64), got {seed}", param="seed", code="invalid_value")
+    temperature = _number(body, "temperature", 1.0, 0.0, 2.0)
+    if 0 < temperature < MIN_TEMPERATURE:
+        raise APIError(400, f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE:.3g}, got {temperature}",
+                       param="temperature", code="invalid_value")
+    return dict(max_tokens=max_tokens, temperature=temperature,
                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=top_k, stop=stop, n=n, seed=seed,
                 stream=bool(_field(body, "stream", (bool,), False)))
 
@@ -197,6 +201,9 @@ def create_app(model, tokenizer, config: ServeConfig):
 
     @app.get("/health")
     async def health():
+        if engine is not None and not engine.alive:  # the watchdog: a stopped engine serves nothing
+            return JSONResponse({"status": "error", "model": config.model_name,
+                                 "error": "the generation engine has stopped; restart the server"}, status_code=503)
         return {"status": "ok", "model": config.model_name,
                 "active": engine.active if engine else 0, "queued": engine.queued if engine else 0}
 
@@ -230,7 +237,7 @@ def create_app(model, tokenizer, config: ServeConfig):
                                     "plus at least one new token must fit)", param=param,
                                code="context_length_exceeded")
             for j in range(settings["n"]):
-                seed = settings["seed"] + j if settings["seed"] is not None else None
+                seed = offset_seed(settings["seed"], j)
                 gen = GenerationConfig(max_new_tokens=settings["max_tokens"], temperature=settings["temperature"],
                                        do_sample=settings["temperature"] > 0,
                                        top_p=settings["top_p"] if settings["top_p"] < 1 else None,

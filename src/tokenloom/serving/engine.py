@@ -129,20 +129,25 @@ class Engine:
         torch.set_grad_enabled(False)
         with torch.inference_mode():
             while not self._stop.is_set():
-                self._admit()
-                if not self.slots:
-                    try:
-                        request = self.waiting.get(timeout=0.05)
-                    except queue.Empty:
-                        continue
-                    self._start(request)
-                    continue
                 try:
+                    self._admit()
+                    if not self.slots:
+                        try:
+                            request = self.waiting.get(timeout=0.05)
+                        except queue.Empty:
+                            continue
+                        self._start(request)
+                        continue
                     self._step()
                 except Exception as error:  # noqa: BLE001 — fail the running requests, keep serving
                     for slot in self.slots:
                         self._emit(slot.request, ("error", f"generation failed: {error}"))
-                    self._flush()
+                    self._events, events = [], self._events
+                    if self.dispatch is not None and events:
+                        try:
+                            self.dispatch(events)
+                        except Exception:  # noqa: BLE001, S110 — the event loop is gone: nothing to tell
+                            pass
                     self.slots.clear()
 
     def _admit(self) -> None:
@@ -153,7 +158,24 @@ class Engine:
                 return
             self._start(request)
 
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (``/health`` answers 503 once it has stopped)."""
+        return self._thread.is_alive()
+
     def _start(self, request: Request) -> None:
+        """Prefill ``request`` and emit its first token; whatever fails fails this request (an error event to its
+        client), never the engine."""
+        slots = len(self.slots)
+        try:
+            self._prefill(request)
+        except Exception as error:  # noqa: BLE001 — one request's settings must not stop every other request
+            del self.slots[slots:]  # its row, if it got one
+            request.finish_reason = "error"
+            self._emit(request, ("error", f"generation failed: {error}"))
+            self._flush()
+
+    def _prefill(self, request: Request) -> None:
         """Prefill ``request`` into the next free row and emit its first token."""
         if request.cancelled:
             return

@@ -45,6 +45,45 @@ from .schedules import create_scheduler
 HISTORY_DIR = "history"  # <run>/history/step-NNNNNNNN: earlier checkpoints (train.keep_checkpoints > 1)
 
 
+def _plain_numpy_state() -> tuple:
+    """numpy's global RNG state with its key array as a tensor: a trainer state of tensors and plain Python values,
+    which ``torch.load(weights_only=True)`` reads without allow-listing anything."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    return name, torch.from_numpy(keys.astype(np.int64)), int(pos), int(has_gauss), float(cached)
+
+
+def _load_state_file(path: Path) -> dict[str, Any]:
+    """``trainer_state.pt`` read with ``weights_only=True``: tensors, containers and numbers only, never code. States
+    written before the numpy key array became a tensor hold a numpy array: numpy's array reconstruction (data, no
+    code) is allowed for those."""
+    import pickle
+
+    try:
+        from numpy._core.multiarray import _reconstruct  # numpy 2
+    except ImportError:  # numpy 1
+        from numpy.core.multiarray import _reconstruct
+    safe = [_reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]  # numpy.dtypes.UInt32DType
+    try:
+        with torch.serialization.safe_globals(safe):
+            state = torch.load(path, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as err:
+        raise CheckpointError(f"{path} holds objects a trainer state never holds; it is not loaded, since loading "
+                              f"could run code ({str(err).splitlines()[-1][:160]})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} is not a trainer state (a {type(state).__name__})")
+    def numpy_state(value: Any) -> Any:
+        if isinstance(value, tuple) and len(value) == 5 and isinstance(value[1], torch.Tensor):
+            return value[0], value[1].numpy().astype(np.uint32), *value[2:]
+        return value
+
+    if "numpy_rng" in state:
+        state["numpy_rng"] = numpy_state(state["numpy_rng"])
+    for rng in state.get("rank_rng") or []:
+        if isinstance(rng, dict) and "numpy" in rng:
+            rng["numpy"] = numpy_state(rng["numpy"])
+    return state
+
+
 class Trainer:
     def __init__(self, config: RunConfig, model: nn.Module, task: Any, run_dir: str | Path, *,
                  tokenizer: Any = None, model_section: dict[str, Any] | None = None,
@@ -118,7 +157,7 @@ class Trainer:
             weights, optimizer = distributed.full_state(self.wrapper, self.optimizer)
         else:
             weights, optimizer = self._weights(), named_optimizer_state(self.optimizer, self._param_names())
-        rngs = self.dist.gather_objects({"torch": torch.get_rng_state(), "numpy": np.random.get_state(),
+        rngs = self.dist.gather_objects({"torch": torch.get_rng_state(), "numpy": _plain_numpy_state(),
                                          "python": random.getstate()})
 
         def save_state(tmp: Path) -> None:
@@ -230,7 +269,7 @@ class Trainer:
         if not path.is_file():
             raise CheckpointError(f"cannot resume: {path} is missing (the checkpoint holds weights only)")
         try:
-            state = torch.load(path, weights_only=False, map_location="cpu")  # our own file: RNG tuples
+            state = _load_state_file(path)
             self._check_world(state)
             if self.fsdp:
                 optimizer = named_optimizer_state(self.optimizer, self._param_names(), state["optimizer"])
@@ -243,7 +282,7 @@ class Trainer:
                                               "python": state["python_rng"]}]
             if self.dist.rank < len(rngs):
                 torch.set_rng_state(rngs[self.dist.rank]["torch"])
-                np.random.set_state(rngs[self.dist.rank]["numpy"])
+                np.random.set_state(tuple(rngs[self.dist.rank]["numpy"]))
                 random.setstate(rngs[self.dist.rank]["python"])
             else:  # a rank the checkpoint did not have (more processes than before): its own streams
                 seed = self.config.train.seed + 1_000_003 * self.dist.rank + int(state["step"])
@@ -256,8 +295,9 @@ class Trainer:
             self.tokens_seen = int(state.get("tokens_seen", 0))  # 0 in checkpoints older than the counter
             if state.get("task") is not None and hasattr(self.task, "load_state_dict"):
                 self.task.load_state_dict(state["task"])
-        except (OSError, RuntimeError, KeyError, ValueError, EOFError) as err:
-            raise CheckpointError(f"{path} is truncated or corrupt ({str(err).splitlines()[0]})") from None
+        except (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError, IndexError) as err:
+            raise CheckpointError(f"{path} is truncated or corrupt ({(str(err).splitlines() or [repr(err)])[0]})") \
+                from None
 
     def _check_world(self, state: dict[str, Any]) -> None:
         """Resuming with another number of processes: the data position, schedule and step count are in updates
