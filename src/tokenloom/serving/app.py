@@ -268,6 +268,18 @@ def create_app(model, tokenizer, config: ServeConfig):
         completion = sum(len(r.new_ids) for _, r, _ in started)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
+    async def next_event(request: Request, events: asyncio.Queue) -> tuple[str, Any]:
+        """The request's next event, or a timeout error once its deadline has passed by a second: the engine checks
+        deadlines itself, this is the event loop's own check, for an engine that has stopped or hangs."""
+        if request.deadline is None:
+            return await events.get()
+        try:
+            return await asyncio.wait_for(events.get(), max(0.0, request.deadline - time.monotonic()) + 1.0)
+        except asyncio.TimeoutError:
+            request.finish_reason = "timeout"
+            request.cancel()
+            return "error", "the request took longer than the server's request timeout"
+
     async def collect(started) -> list[tuple[int, str, str]]:
         """(index, text, finish_reason) of every request, waiting for all."""
         results = []
@@ -275,7 +287,7 @@ def create_app(model, tokenizer, config: ServeConfig):
             for index, request, events in started:
                 text = []
                 while True:
-                    kind, value = await events.get()
+                    kind, value = await next_event(request, events)
                     if kind == "delta":
                         text.append(value)
                     elif kind == "done":
@@ -297,7 +309,7 @@ def create_app(model, tokenizer, config: ServeConfig):
             index, request, events = started[0]
             try:
                 while True:
-                    kind, value = await events.get()
+                    kind, value = await next_event(request, events)
                     if kind == "delta":
                         yield _sse(chunk(index, value, None))
                         continue
@@ -313,7 +325,8 @@ def create_app(model, tokenizer, config: ServeConfig):
             finally:
                 request.cancel()  # a client that went away frees its row at once
             return
-        waiters = {index: asyncio.ensure_future(events.get()) for index, (_, events) in pending.items()}
+        waiters = {index: asyncio.ensure_future(next_event(request, events))
+                   for index, (request, events) in pending.items()}
         try:
             while waiters:
                 done, _ = await asyncio.wait(waiters.values(), return_when=asyncio.FIRST_COMPLETED)
@@ -322,7 +335,7 @@ def create_app(model, tokenizer, config: ServeConfig):
                     request = pending[index][0]
                     if kind == "delta":
                         yield _sse(chunk(index, value, None))
-                        waiters[index] = asyncio.ensure_future(pending[index][1].get())
+                        waiters[index] = asyncio.ensure_future(next_event(request, pending[index][1]))
                     elif kind == "done":
                         yield _sse(chunk(index, "", value))
                     else:
