@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-kernels test-all lint bench clean
+.PHONY: install demo test test-kernels test-fuzz test-all lint bench clean
 
 install: $(VENV)/.installed
 
@@ -38,6 +38,10 @@ test-kernels: install
 		env $$setting TORCHINDUCTOR_CACHE_DIR=$$cache $(PY) -m pytest $(KERNEL_TESTS); \
 		rm -rf $$cache; \
 	done
+
+# The fuzzers again, long and with fresh random examples (make test runs them short and derandomised).
+test-fuzz: install
+	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -m fuzz -p no:cacheprovider
 
 test-all: install
 	$(PY) -m pytest -m ""

@@ -19,6 +19,19 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
     tempfile.gettempdir(), f"tokenloom-tests-inductor-{os.getuid() if hasattr(os, 'getuid') else 'user'}-"
     f"{os.environ.get('ATEN_CPU_CAPABILITY', 'native').lower() or 'native'}"))
 
+# The fuzzers (tests marked `fuzz`: hypothesis property tests, schemathesis against the server) run a short,
+# derandomised pass in `make test` and a long, random one in `make test-fuzz` (HYPOTHESIS_PROFILE=fuzz, in CI).
+try:
+    from hypothesis import HealthCheck, settings
+
+    settings.register_profile("default", max_examples=40, deadline=None, derandomize=True, print_blob=True,
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    settings.register_profile("fuzz", max_examples=400, deadline=None, print_blob=True,
+                              suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+except ImportError:  # the dev extra is not installed: the fuzz tests skip themselves (importorskip)
+    pass
+
 
 @pytest.fixture(autouse=True)
 def _seed_and_threads():

@@ -24,11 +24,19 @@ def make_variable(name: str) -> list[str]:
     return shlex.split(match.group(1))
 
 
-def test_ci_lints_then_tests_then_tests_under_other_kernels():
+def test_ci_lints_then_tests_then_tests_under_other_kernels_then_fuzzes():
     run = commands(ROOT / ".ci" / "run")
     assert "set -euo pipefail" in run  # a failing step fails CI
     steps = [line for line in run if line.startswith("make ")]
-    assert steps == ["make lint", "make test", "make test-kernels"]
+    assert steps == ["make lint", "make test", "make test-kernels", "make test-fuzz"]
+
+
+def test_the_long_fuzz_run_selects_the_fuzz_tests_with_the_fuzz_profile():
+    text = (ROOT / "Makefile").read_text()
+    recipe = text.split("\ntest-fuzz:", 1)[1].split("\n\n", 1)[0]
+    assert "HYPOTHESIS_PROFILE=fuzz" in recipe and "-m fuzz" in recipe
+    conftest = (ROOT / "tests" / "conftest.py").read_text()
+    assert 'register_profile("fuzz"' in conftest and 'load_profile(os.environ.get("HYPOTHESIS_PROFILE"' in conftest
 
 
 def test_the_kernel_settings_cover_avx2_and_scalar_kernels_and_one_thread():

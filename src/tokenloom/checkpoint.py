@@ -12,6 +12,7 @@ moment ``checkpoint`` (or, mid-swap, ``checkpoint.old``) is complete.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -71,24 +72,31 @@ def write_checkpoint(directory: str | Path, model: nn.Module | None, config: dic
     tmp = directory.with_name(directory.name + ".tmp")
     old = directory.with_name(directory.name + ".old")
     shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    tensors = state_dict_for_saving(state_dict if state_dict is not None else model.state_dict())
-    if dtype is not None:
-        tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-    save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
-    save_yaml(config, tmp / CONFIG_FILE)
-    if tokenizer is not None:
-        tokenizer.save(tmp / TOKENIZER_FILE)
-    if extra is not None:
-        extra(tmp)
-    write_checksums(tmp)
-    for f in tmp.iterdir():  # make the files durable before they become visible
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    if directory.exists():
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(directory, old)
-    os.replace(tmp, directory)
+    try:
+        tmp.mkdir(parents=True)
+        tensors = state_dict_for_saving(state_dict if state_dict is not None else model.state_dict())
+        if dtype is not None:
+            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        save_yaml(config, tmp / CONFIG_FILE)
+        if tokenizer is not None:
+            tokenizer.save(tmp / TOKENIZER_FILE)
+        if extra is not None:
+            extra(tmp)
+        write_checksums(tmp)
+        for f in tmp.iterdir():  # make the files durable before they become visible
+            with open(f, "rb") as fh:
+                os.fsync(fh.fileno())
+        if directory.exists():
+            shutil.rmtree(old, ignore_errors=True)
+            os.replace(directory, old)
+        os.replace(tmp, directory)
+    except BaseException:  # a failed write (disk full, read-only, Ctrl-C) leaves the previous checkpoint in place
+        if old.exists() and not directory.exists():
+            with contextlib.suppress(OSError):
+                os.replace(old, directory)
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     shutil.rmtree(old, ignore_errors=True)
     return directory
 
@@ -126,7 +134,11 @@ def checkpoint_damage(path: str | Path) -> str | None:
     for name, expected in sums.items():
         if not (path / name).is_file():
             return f"{path / name} is missing"
-        if _sha256(path / name) != expected:
+        try:
+            digest = _sha256(path / name)
+        except OSError as err:
+            return f"{path / name} cannot be read ({err.strerror or err})"
+        if digest != expected:
             return f"{path / name} does not match its checksum (truncated or corrupt)"
     return None
 
@@ -205,4 +217,7 @@ def load_tokenizer(path: str | Path):
     ckpt = resolve_checkpoint(path)
     section = read_config(ckpt).get("tokenizer") or {}
     eos = section.get("eos_token") if isinstance(section, dict) else None
+    if eos is not None and not isinstance(eos, str):
+        raise CheckpointError(f"{ckpt / CONFIG_FILE}: tokenizer.eos_token must be a token (a string) or null, "
+                              f"got {eos!r}")
     return Tokenizer.from_file(ckpt / TOKENIZER_FILE, eos_token=eos)

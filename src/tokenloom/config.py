@@ -108,6 +108,9 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs = {}
     for key, value in data.items():
+        if not (printable(key) and printable(value)):  # the messages below quote both
+            at = f"{name}.{key}" if printable(key) else name
+            raise ConfigError(f"{at}: holds an integer too long to print (more than 4300 digits); no setting takes one")
         where = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
             raise ConfigError(f"unknown key {where!r}{did_you_mean(str(key), fields)}; "
@@ -138,11 +141,20 @@ def load_yaml(path: str | Path) -> dict:
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text())
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        raise ConfigError(f"{path}: invalid YAML{at}: {getattr(err, 'problem', err)}") from None
+        problem = (str(getattr(err, "problem", None) or err).splitlines() or ["unreadable"])[0]
+        raise ConfigError(f"{path}: invalid YAML{at}: {problem}") from None
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"{path}: not UTF-8 text (byte {err.start}: {err.reason})") from None
+    except OSError as err:
+        raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
+    except RecursionError:
+        raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
+    except ValueError as err:  # an integer of more than 4300 digits (Python's limit for int())
+        raise ConfigError(f"{path}: invalid YAML: {(str(err).splitlines() or ['a bad value'])[0]}") from None
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -162,7 +174,7 @@ def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
         key, raw = item.split("=", 1)
         try:
             value = yaml.safe_load(raw) if raw.strip() else ""
-        except yaml.YAMLError:
+        except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an int of more than 4300 digits
             value = raw
         node = data
         parts = key.strip().split(".")
@@ -173,6 +185,16 @@ def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
             node = child
         node[parts[-1]] = value
     return data
+
+
+def printable(value: Any) -> bool:
+    """False for a value an error message cannot show: an int longer than ``str()`` converts (Python's 4,300-digit
+    limit; YAML's hex ``0x...`` has no such limit), or a container holding one. Check it before quoting ``value``."""
+    try:
+        repr(value)
+    except (ValueError, RecursionError):
+        return False
+    return True
 
 
 def check(condition: bool, message: str) -> None:

@@ -56,14 +56,14 @@ class Registry(Generic[T]):
     def get(self, name: str) -> T:
         try:
             return self._items[name]
-        except KeyError:
+        except (KeyError, TypeError):  # TypeError: an unhashable name (a list from YAML)
             known = ", ".join(sorted(self._items))
             raise RegistryError(
                 f"unknown {self.kind} {name!r}{did_you_mean(name, self._items)}; known: {known}"
             ) from None
 
     def __contains__(self, name: object) -> bool:
-        return name in self._items
+        return isinstance(name, str) and name in self._items
 
     def __iter__(self) -> Iterator[str]:
         return iter(sorted(self._items))

@@ -112,13 +112,16 @@ def test_create_processors_skips_no_ops():
     (dict(top_p=1.5), "top_p must be in (0, 1] or None, got 1.5"),
     (dict(top_p=0.0), "top_p must be in (0, 1] or None, got 0.0"),
     (dict(top_k=0), "top_k must be a positive integer or None, got 0"),
-    (dict(temperature=-0.5), "temperature must be 0 (greedy) or a finite number >= 1.18e-38 (the smallest normal "
-                             "float32, the dtype it divides in), got -0.5"),
-    (dict(temperature=1e-39), "temperature must be 0 (greedy) or a finite number >= 1.18e-38 (the smallest normal "
-                              "float32, the dtype it divides in), got 1e-39"),
+    (dict(temperature=-0.5), "temperature must be 0 (greedy) or a finite number >= 1.18e-38 and <= 3.4e+38 "
+                             "(normal float32, the dtype it divides in), got -0.5"),
+    (dict(temperature=1e-39), "temperature must be 0 (greedy) or a finite number >= 1.18e-38 and <= 3.4e+38 "
+                              "(normal float32, the dtype it divides in), got 1e-39"),
     (dict(max_new_tokens=0), "max_new_tokens must be a positive integer, got 0"),
-    (dict(repetition_penalty=0.0), "repetition_penalty must be a finite number > 0 (1 = off), got 0.0"),
-    (dict(eos_token_id=-1), "eos_token_id must be a token id >= 0 or None, got -1"),
+    (dict(repetition_penalty=0.0), "repetition_penalty must be a number in [1.18e-38, 3.4e+38] (1 = off; normal "
+                                   "float32, the dtype it scales the logits in), got 0.0"),
+    (dict(temperature=1e39), "temperature must be 0 (greedy) or a finite number >= 1.18e-38 and <= 3.4e+38 "
+                             "(normal float32, the dtype it divides in), got 1e+39"),
+    (dict(eos_token_id=-1), "eos_token_id must be a token id in [0, 2^63) or None, got -1"),
     (dict(stop_strings="\n"), "stop_strings must be a list of strings, got '\\n'"),
     (dict(stop_strings=[""]), "stop_strings must hold non-empty strings, got ''"),
     (dict(seed=1.5), "seed must be an integer in [0, 2^64) or None, got 1.5"),

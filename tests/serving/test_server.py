@@ -86,7 +86,7 @@ def offline():
 
 
 def post(server, path, body=None, key=KEY, raw=None, headers=None):
-    h = {"Authorization": f"Bearer {key}"} if key else {}
+    h = {"Content-Type": "application/json", **({"Authorization": f"Bearer {key}"} if key else {})}
     h.update(headers or {})
     return httpx.post(server.url + path, content=raw if raw is not None else json.dumps(body), headers=h,
                       timeout=120)

@@ -23,7 +23,7 @@ def test_a_stopped_engine_is_reported_and_requests_time_out(monkeypatch, stream)
     monkeypatch.setattr(Engine, "_run", lambda self: None)  # the engine thread ends at once, as a crashed one did
     model, tokenizer = load_model(SHAKES)[0], load_tokenizer(SHAKES)
     app = create_app(model, tokenizer, ServeConfig(model_name="shakes", request_timeout=1.0))
-    with TestClient(app) as client:
+    with TestClient(app, base_url="http://127.0.0.1") as client:  # a Host the server answers (not "testserver")
         time.sleep(0.2)
         health = client.get("/health")
         assert health.status_code == 503 and "engine has stopped" in health.json()["error"]

@@ -220,6 +220,12 @@ def test_keep_checkpoints_and_resume_from_the_newest_intact_one(tmp_path):
     assert resumed.step == 8
     for (k, a), b in zip(params(full.model).items(), params(resumed.model).values(), strict=True):
         assert torch.equal(a, b), k  # exact: steps 5-8 replayed from step 4's state
+    from tokenloom.checkpoint import checkpoint_damage
+
+    # the damaged checkpoint went aside; it did not replace the intact step 4 it was resumed from
+    step4 = tmp_path / "split" / "history" / "step-00000004"
+    assert checkpoint_damage(step4) is None
+    assert "does not match" in checkpoint_damage(tmp_path / "split" / "checkpoint.damaged")
     for p in (tmp_path / "split" / "history").iterdir():
         (p / "config.yaml").unlink()
     (tmp_path / "split" / "checkpoint" / "trainer_state.pt").write_bytes(b"junk")

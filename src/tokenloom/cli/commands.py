@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import functools
 import json
 import os
@@ -15,7 +16,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import load_model, load_tokenizer, read_config, resolve_checkpoint
-from ..errors import ConfigError, GenerationError, TrainingError
+from ..errors import ConfigError, DataError, GenerationError, TrainingError
 from ..generation.config import offset_seed
 
 PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --precision -> the weights' dtype
@@ -273,6 +274,10 @@ def evaluate(args: argparse.Namespace) -> int:
     from ..data.text import TextDataset
     from ..tasks import LMTask
 
+    for name in ("batch_size", "batches"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     ckpt = resolve_checkpoint(args.checkpoint)
     config = read_config(ckpt)
     if config.get("task") == "image_classification":
@@ -340,13 +345,70 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
+def _decode_text(raw: bytes, where: str) -> str:
+    """``raw`` as UTF-8; a one-line :class:`DataError` naming ``where`` and the first bad byte otherwise."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        line = raw.count(b"\n", 0, err.start) + 1
+        column = err.start - (raw.rfind(b"\n", 0, err.start) + 1) + 1
+        raise DataError(f"{where} is not UTF-8 text (line {line}, byte {column}: 0x{raw[err.start]:02x}); "
+                        "save it as UTF-8") from None
+
+
 def _read_lines(path: str | None) -> list[str]:
+    """The lines of a UTF-8 text file, or of standard input when ``path`` is None."""
     if path is None:
-        return [line.rstrip("\n") for line in sys.stdin]
+        stream = getattr(sys.stdin, "buffer", None)
+        if stream is None:  # a text stream without bytes underneath (an embedding program's, a test's)
+            return [line.rstrip("\n") for line in sys.stdin]
+        text = _decode_text(stream.read(), "standard input").replace("\r\n", "\n")
+        return text.split("\n")[:-1] if text.endswith("\n") else text.split("\n") if text else []
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"input file not found: {file}")
-    return file.read_text(encoding="utf-8").splitlines()
+    try:
+        raw = file.read_bytes()
+    except OSError as err:
+        raise DataError(f"cannot read {file}: {err.strerror or err}") from None
+    return _decode_text(raw, str(file)).splitlines()
+
+
+def _output_file(path: str | None) -> Path | None:
+    """``--output``, checked before any work is done: a missing folder is created (as every ``--out`` of the CLI
+    does), and a path that cannot be written is a one-line error now, not after the translations are made."""
+    if path is None:
+        return None
+    out = Path(path)
+    if out.is_dir():
+        raise ConfigError(f"--output {out} is a directory; name a file")
+    folder = next((p for p in out.parents if p.exists()), None)
+    if folder is not None and not folder.is_dir():
+        raise ConfigError(f"cannot write --output {out}: {folder} is a file, not a folder")
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        probe = _temporary(out)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"cannot write --output {out}: {err.strerror or err}") from None
+    return out
+
+
+def _temporary(out: Path) -> Path:
+    return out.with_name(f".{out.name}.{os.getpid()}.tmp")
+
+
+def _write_output(out: Path, text: str) -> None:
+    """Write ``text`` to ``out`` whole or not at all (a temporary file, then a rename)."""
+    tmp = _temporary(out)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, out)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise ConfigError(f"cannot write --output {out}: {err.strerror or err}") from None
 
 
 def _translation_model(checkpoint: str | Path, precision: str):
@@ -400,6 +462,7 @@ def describe_decoding(options: dict) -> str:
 def translate(args: argparse.Namespace) -> int:
     from ..tasks.translation import translate as run
 
+    output = _output_file(args.output)
     _, model, tokenizer = _translation_model(args.checkpoint, args.precision)
     options = decoding_options(args, model, tokenizer, args.precision)
     lines = _read_lines(args.input)
@@ -412,8 +475,8 @@ def translate(args: argparse.Namespace) -> int:
                                      truncate=args.too_long == "truncate"), strict=True):
             out[i] = text
     text = "".join(line + "\n" for line in out)
-    if args.output:
-        Path(args.output).write_text(text, encoding="utf-8")
+    if output is not None:
+        _write_output(output, text)
     else:
         sys.stdout.write(text)
     return 0
@@ -429,6 +492,7 @@ def _evaluate_translation(args: argparse.Namespace, ckpt: Path, config: dict) ->
     metrics = args.metrics or ["bleu", "chrf"]
     for name in metrics:  # an unknown metric name fails here, before any decoding
         METRICS.get(name)
+    output = _output_file(args.output)
     _, model, tokenizer = _translation_model(ckpt, args.precision)
     options = decoding_options(args, model, tokenizer, args.precision)
     if args.source is not None:
@@ -449,8 +513,8 @@ def _evaluate_translation(args: argparse.Namespace, ckpt: Path, config: dict) ->
     with torch.inference_mode():
         hypotheses = run(model, tokenizer, sources, **options)
     seconds = time.perf_counter() - start
-    if args.output:
-        Path(args.output).write_text("".join(h + "\n" for h in hypotheses), encoding="utf-8")
+    if output is not None:
+        _write_output(output, "".join(h + "\n" for h in hypotheses))
     result = compute_metrics(metrics, hypotheses, references)
     if args.json:
         print(json.dumps({"checkpoint": str(ckpt), "data": what, "decoding": describe_decoding(options),

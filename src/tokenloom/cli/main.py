@@ -305,12 +305,29 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 and /metrics "
-                   "(or set TOKENLOOM_API_KEY)")
+                   "(or set TOKENLOOM_API_KEY); compared as UTF-8 bytes")
+    p.add_argument("--allowed-hosts", action="append", default=[], metavar="HOST[,HOST...]",
+                   help="Host header names answered besides the defaults, against DNS rebinding (repeatable or "
+                        "comma-separated; '.example.com' also allows its subdomains; '*' allows any). Always "
+                        "answered: localhost, *.localhost, loopback addresses, the --host address; with --host "
+                        "0.0.0.0 or :: any IP address too (a rebinding page uses a name), so clients that reach "
+                        "the server by a DNS name need it listed. Other Hosts get 400 on every route")
+    p.add_argument("--cors-origin", action="append", default=[], metavar="ORIGIN",
+                   help="let web pages of ORIGIN (scheme://host[:port], or '*') call the API from the browser "
+                        "(repeatable); default: CORS off, no page of another origin may read an answer")
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default 16)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
     p.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens a request may ask")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request ends (504)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0, help="seconds an idle connection stays open, "
+                   "before its first request and between requests (default 5)")
+    p.add_argument("--timeout-read", type=float, default=30.0, help="seconds a request has to arrive whole (headers "
+                   "and body) once its first byte has come; slower ones get 408 (default 30)")
+    p.add_argument("--limit-concurrency", type=int, default=256, help="open connections or running requests "
+                   "beyond which requests get 503; connections beyond twice it are closed on arrival (default 256)")
+    p.add_argument("--max-header-bytes", type=int, default=65536, help="request line plus headers; larger get 431 "
+                   "(default 64 KiB)")
     p.add_argument("--model-name", default=None, help="the model id in the API (default: the run's name)")
     _add_precision(p)
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])

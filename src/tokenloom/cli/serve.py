@@ -20,26 +20,72 @@ def serve(args: argparse.Namespace) -> int:
             from None
     from .commands import load_inference_model
 
-    for name in ("max_batch", "max_queue", "max_tokens", "max_body_bytes"):
-        if getattr(args, name) < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
+    from ..serving.transport import TransportLimits
+
+    limits = TransportLimits(timeout_keep_alive=args.timeout_keep_alive, timeout_read=args.timeout_read,
+                             limit_concurrency=args.limit_concurrency, max_header_bytes=args.max_header_bytes)
     ckpt = resolve_checkpoint(args.checkpoint)
     family = (read_config(ckpt).get("model") or {}).get("family", "gpt")
     if family not in ("gpt", "seq2seq", "nat"):
         raise ConfigError(f"{ckpt} holds a {family!r} model; the server serves language models (gpt) and "
                           "translation models (seq2seq, nat)")
-    model, _ = load_inference_model(ckpt, args.precision)
-    tokenizer = load_tokenizer(ckpt)
     name = args.model_name or (ckpt.parent.name if ckpt.name == "checkpoint" else ckpt.name)
     api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY") or None
     config = ServeConfig(model_name=name, api_key=api_key, max_batch=args.max_batch, max_queue=args.max_queue,
                          max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
-                         request_timeout=args.request_timeout)
+                         request_timeout=args.request_timeout, host=args.host,
+                         allowed_hosts=_listed(args.allowed_hosts), cors_origins=_listed(args.cors_origin))
+    if family == "gpt":
+        _check_cache_budget(ckpt, args.max_batch, args.precision)  # before the model loads
+    # the flags are checked (above) before the model loads
+    model, _ = load_inference_model(ckpt, args.precision)
+    tokenizer = load_tokenizer(ckpt)
     app = create_app(model, tokenizer, config)
+    _browser_safety_notes(config)
     where = f"http://{args.host}:{args.port}"
     print(f"serving {name} ({family}) at {where}/v1 (playground: {where}/)"
           + (" with an API key" if api_key else ""), file=sys.stderr, flush=True)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
+                **limits.uvicorn_options())
     return 0
+
+
+def _check_cache_budget(ckpt, max_batch: int, precision: str) -> None:  # noqa: ANN001 - a Path
+    """The engine preallocates every layer's keys and values for ``--max-batch`` rows of the model's whole context
+    (:class:`tokenloom.serving.engine.Engine`): refuse a cache that cannot fit in memory in one line, before the
+    model loads (:mod:`tokenloom.budget`). ``--precision auto`` counts 2 bytes a value (bf16, the smaller choice)."""
+    from ..errors import TokenloomError
+    from ..models.factory import model_config_from_dict
+    from ..models.sizes import check_kv_cache
+
+    try:
+        _, model_config = model_config_from_dict(read_config(ckpt).get("model") or {})
+    except TokenloomError:
+        return  # a broken config: loading the model says what is wrong with it
+    check_kv_cache(model_config, max_batch, model_config.max_seq_len, 4 if precision == "fp32" else 2,
+                   f"--max-batch {max_batch}", error=ConfigError)
+
+
+def _listed(values: list[str] | None) -> tuple[str, ...]:
+    """A repeatable, comma-separated flag as one tuple: ``--x a,b --x c`` -> ``("a", "b", "c")``."""
+    return tuple(v.strip() for value in values or () for v in value.split(",") if v.strip())
+
+
+def _browser_safety_notes(config) -> None:  # noqa: ANN001 - a ServeConfig
+    """Warnings for settings that reach past this machine's own browser (see ``--allowed-hosts``)."""
+    policy = config.host_policy
+    if policy.any_address and not policy.any_host:
+        print(f"warning: --host {config.host} listens on every interface: Host headers naming localhost or an IP "
+              "address are answered; clients that use a DNS name need --allowed-hosts NAME"
+              + ("" if config.api_key else "; without --api-key anyone who can reach this machine may use it"),
+              file=sys.stderr)
+    if policy.any_host and not config.api_key:
+        print("warning: --allowed-hosts '*' without --api-key: any web page can read this server's answers "
+              "through DNS rebinding", file=sys.stderr)
+    if "*" in config.cors_origins and not config.api_key:
+        print("warning: --cors-origin '*' without --api-key: every web page may use this server", file=sys.stderr)
+    if config.api_key is not None and not config.api_key.isascii():
+        print("warning: the API key is not ASCII: clients must send it UTF-8 encoded (curl and the playground "
+              "do; the openai Python client cannot send it)", file=sys.stderr)

@@ -31,6 +31,7 @@ target text together with those ids; load its file with ``Tokenizer.from_file(pa
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -92,6 +93,19 @@ def split_for_encoding(text: str, chunk_chars: int = _CHUNK_CHARS) -> Iterator[s
             pos = j + 1
         yield text[start:cut]
         start = cut
+
+
+@contextlib.contextmanager
+def _library_errors() -> Iterator[None]:
+    """The tokenizers library's own failures (a bare ``Exception``, e.g. a word-level vocabulary without ``[UNK]``
+    meeting an unknown word) as a one-line :class:`TokenizerError`."""
+    try:
+        yield
+    except Exception as err:
+        if type(err) is not Exception:
+            raise
+        detail = (str(err).strip().splitlines() or ["unknown error"])[0][:200]
+        raise TokenizerError(f"the tokenizer cannot encode this text: {detail}") from None
 
 
 class Tokenizer:
@@ -263,14 +277,16 @@ class Tokenizer:
                 return [stoi[ch] for ch in text]
             except KeyError:
                 raise self._oov_error(text) from None
-        return self.backend.encode(text).ids
+        with _library_errors():
+            return self.backend.encode(text).ids
 
     def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
         """Ids of each text, equal to ``[self.encode(t) for t in texts]`` (one ``encode_batch`` call for
         a BPE / subword tokenizer, which uses all cores)."""
         if self._kind == "char":
             return [self.encode(t) for t in texts]
-        return [e.ids for e in self.backend.encode_batch(list(texts))]
+        with _library_errors():
+            return [e.ids for e in self.backend.encode_batch(list(texts))]
 
     def encode_array(self, text: str) -> np.ndarray:
         """Token ids of a long ``text`` as a uint32 array, equal to ``encode(text)`` but faster.
@@ -289,17 +305,18 @@ class Tokenizer:
             if (ids < 0).any():
                 raise self._oov_error(text)
             return ids.astype(np.uint32)
-        if not self._chunkable():
-            return np.asarray(self.backend.encode(text).ids, dtype=np.uint32)
-        parts: list[np.ndarray] = []
-        batch: list[str] = []
-        for piece in split_for_encoding(text):
-            batch.append(piece)
-            if len(batch) == _BATCH_CHUNKS:
+        with _library_errors():
+            if not self._chunkable():
+                return np.asarray(self.backend.encode(text).ids, dtype=np.uint32)
+            parts: list[np.ndarray] = []
+            batch: list[str] = []
+            for piece in split_for_encoding(text):
+                batch.append(piece)
+                if len(batch) == _BATCH_CHUNKS:
+                    parts.extend(np.asarray(e.ids, dtype=np.uint32) for e in self.backend.encode_batch(batch))
+                    batch = []
+            if batch:
                 parts.extend(np.asarray(e.ids, dtype=np.uint32) for e in self.backend.encode_batch(batch))
-                batch = []
-        if batch:
-            parts.extend(np.asarray(e.ids, dtype=np.uint32) for e in self.backend.encode_batch(batch))
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.uint32)
 
     def _chunkable(self) -> bool:

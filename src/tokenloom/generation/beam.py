@@ -72,6 +72,20 @@ class BeamOutput(NamedTuple):
     lengths: Tensor  # (B, R) long: new tokens (EOS included); L = the largest
 
 
+def _check_memory(model: nn.Module, B: int, N: int, T: int, n: int) -> None:
+    """Refuse, before allocating, a search whose key/value cache (B * N rows of T + n positions; twice: the cache
+    and the buffer its reorder gathers into), prompt log-probabilities (B * N x T x vocabulary, float32) and
+    hypotheses (live, finished, final: 3 x B x N x n token ids) cannot fit in memory (:mod:`tokenloom.budget`)."""
+    from ..models.sizes import check_kv_cache
+
+    weight = next(iter(model.parameters()), None)
+    vocab = getattr(model.config, "vocab_size", 0)
+    check_kv_cache(model.config, B * N, T + n, weight.element_size() if weight is not None else 4,
+                   f"beam search with num_beams={N} over {B} prompt(s) of {T} tokens", copies=2,
+                   extra=[(f"log-probabilities of the prompt ({B * N} x {T} x {vocab})", 4 * B * N * T * vocab),
+                          (f"hypotheses (3 x {B * N} x {n} token ids)", 3 * 8 * B * N * n)])
+
+
 def beam_search(model: nn.Module, input_ids: Tensor, config: GenerationConfig,
                 attention_mask: Tensor | None = None, tokenizer: Tokenizer | None = None) -> BeamOutput:
     """(B, T) prompt ids (left-padded, with ``attention_mask``, when of different lengths) -> the
@@ -83,6 +97,7 @@ def beam_search(model: nn.Module, input_ids: Tensor, config: GenerationConfig,
     BN, device = B * N, input_ids.device
     vocab = model.config.vocab_size
     K = min(2 * N, N * vocab)
+    _check_memory(model, B, N, T, n)
     eos, pad, lp = config.eos_token_id, config.pad_token_id, float(config.length_penalty)
 
     # the prompt, once per beam (row b*N + k is beam k of prompt b)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
-from ..config import check
+from ..config import check, printable
 
 
 def _is_int(value: object) -> bool:
@@ -15,6 +14,12 @@ def _is_int(value: object) -> bool:
 SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed takes seeds in [0, 2^64)
 MIN_TEMPERATURE = 1.1754943508222875e-38  # the smallest normal float32 (bf16 has the same range): logits are divided
 #   by the temperature in that dtype, after the largest is subtracted, so any temperature from here on is finite
+INT64_LIMIT = 2 ** 63  # token ids are written into int64 tensors
+LENGTH_PENALTY_LIMIT = 10.0  # beam scores divide by length ** length_penalty, a Python float then float32: a huge
+#   exponent overflows (OverflowError) or makes every score -inf; within +-10 it stays in float32's range up to
+#   lengths of about 6,000 tokens
+MAX_FLOAT32 = 3.4028234663852886e38  # the largest float32: a temperature or repetition penalty beyond it is
+#   inf in that dtype (scores / inf: NaN for the -inf of a banned token)
 
 
 def offset_seed(seed: int | None, k: int) -> int | None:
@@ -54,12 +59,17 @@ class GenerationConfig:
     compile: bool = False  # one-token steps through torch.compile over a static cache (GPT; greedy or sampling)
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # the messages below quote the values: each must have a repr
+            check(printable(getattr(self, f.name)), f"{f.name} holds an integer too long to print (more than 4300 "
+                                                    "digits); no setting takes one")
+        check(isinstance(self.do_sample, bool),
+              f"do_sample must be true or false, got {self.do_sample!r}")
         check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
               f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
         check(isinstance(self.temperature, (int, float)) and not isinstance(self.temperature, bool)
-              and math.isfinite(self.temperature) and (self.temperature == 0 or self.temperature >= MIN_TEMPERATURE),
-              f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:.3g} (the smallest normal "
-              f"float32, the dtype it divides in), got {self.temperature!r}")
+              and (self.temperature == 0 or MIN_TEMPERATURE <= self.temperature <= MAX_FLOAT32),
+              f"temperature must be 0 (greedy) or a finite number >= {MIN_TEMPERATURE:.3g} and <= {MAX_FLOAT32:.3g} "
+              f"(normal float32, the dtype it divides in), got {self.temperature!r}")
         if self.top_k is not None:
             check(_is_int(self.top_k) and self.top_k >= 1,
                   f"top_k must be a positive integer or None, got {self.top_k!r}")
@@ -67,12 +77,14 @@ class GenerationConfig:
             check(isinstance(self.top_p, (int, float)) and not isinstance(self.top_p, bool)
                   and 0 < self.top_p <= 1, f"top_p must be in (0, 1] or None, got {self.top_p!r}")
         check(isinstance(self.repetition_penalty, (int, float)) and not isinstance(self.repetition_penalty, bool)
-              and math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0,
-              f"repetition_penalty must be a finite number > 0 (1 = off), got {self.repetition_penalty!r}")
+              and MIN_TEMPERATURE <= self.repetition_penalty <= MAX_FLOAT32,
+              f"repetition_penalty must be a number in [{MIN_TEMPERATURE:.3g}, {MAX_FLOAT32:.3g}] (1 = off; normal "
+              f"float32, the dtype it scales the logits in), got {self.repetition_penalty!r}")
         if self.eos_token_id is not None:
-            check(_is_int(self.eos_token_id) and self.eos_token_id >= 0,
-                  f"eos_token_id must be a token id >= 0 or None, got {self.eos_token_id!r}")
-        check(_is_int(self.pad_token_id), f"pad_token_id must be an integer, got {self.pad_token_id!r}")
+            check(_is_int(self.eos_token_id) and 0 <= self.eos_token_id < INT64_LIMIT,
+                  f"eos_token_id must be a token id in [0, 2^63) or None, got {self.eos_token_id!r}")
+        check(_is_int(self.pad_token_id) and -INT64_LIMIT <= self.pad_token_id < INT64_LIMIT,
+              f"pad_token_id must be an integer in [-2^63, 2^63) (an int64), got {self.pad_token_id!r}")
         check(isinstance(self.stop_strings, (list, tuple)),
               f"stop_strings must be a list of strings, got {self.stop_strings!r}")
         self.stop_strings = list(self.stop_strings)
@@ -84,8 +96,9 @@ class GenerationConfig:
         check(_is_int(self.num_beams) and self.num_beams >= 1,
               f"num_beams must be a positive integer (1 = no beam search), got {self.num_beams!r}")
         check(isinstance(self.length_penalty, (int, float)) and not isinstance(self.length_penalty, bool)
-              and math.isfinite(self.length_penalty),
-              f"length_penalty must be a finite number (1 = average log-prob, 0 = sum), got {self.length_penalty!r}")
+              and -LENGTH_PENALTY_LIMIT <= self.length_penalty <= LENGTH_PENALTY_LIMIT,
+              f"length_penalty must be a number in [-{LENGTH_PENALTY_LIMIT:g}, {LENGTH_PENALTY_LIMIT:g}] (1 = average "
+              f"log-prob, 0 = sum), got {self.length_penalty!r}")
         check(isinstance(self.early_stopping, bool) or self.early_stopping == "never",
               f"early_stopping must be True, False or 'never', got {self.early_stopping!r}")
         check(_is_int(self.num_return_sequences) and 1 <= self.num_return_sequences <= self.num_beams,

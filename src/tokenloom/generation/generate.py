@@ -197,11 +197,11 @@ class _Decoding:
                     scores = logits[:, -1]  # (A, V)
                     if scores.dtype != torch.float32:
                         scores = scores.float()
+                    if self.vocab_limit is not None:  # before the processors: top-k/top-p choose among these
+                        scores[:, self.vocab_limit:] = float("-inf")
                     if processors:
                         history = sequences[:, :T + t]
                         scores = processors(history if rows is None else history[rows], scores)
-                    if self.vocab_limit is not None:
-                        scores[:, self.vocab_limit:] = float("-inf")
                     if greedy:
                         tokens = scores.argmax(-1, keepdim=True)  # (A, 1)
                     else:

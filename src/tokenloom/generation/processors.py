@@ -13,7 +13,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
-from .config import GenerationConfig
+from .config import MAX_FLOAT32, MIN_TEMPERATURE, GenerationConfig
 
 
 class LogitsProcessor(Protocol):
@@ -33,8 +33,8 @@ class TemperatureProcessor:
     """``scores / temperature``: below 1 sharpens the distribution, above 1 flattens it."""
 
     def __init__(self, temperature: float) -> None:
-        if not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
+        if not MIN_TEMPERATURE <= temperature <= MAX_FLOAT32:  # a normal float32: 0 or inf there would make NaN
+            raise ValueError(f"temperature must be in [{MIN_TEMPERATURE:.3g}, {MAX_FLOAT32:.3g}], got {temperature}")
         self.temperature = temperature
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
@@ -83,14 +83,18 @@ class RepetitionPenaltyProcessor:
     a negative score is multiplied by ``penalty`` and a positive one divided by it."""
 
     def __init__(self, penalty: float) -> None:
-        if not penalty > 0:
-            raise ValueError(f"repetition penalty must be > 0, got {penalty}")
+        if not MIN_TEMPERATURE <= penalty <= MAX_FLOAT32:  # a normal float32: 0 or inf there would make NaN
+            raise ValueError(f"repetition penalty must be in [{MIN_TEMPERATURE:.3g}, {MAX_FLOAT32:.3g}], got {penalty}")
         self.penalty = penalty
 
     def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
         seen = scores.gather(-1, input_ids)  # (B, S)
-        seen = torch.where(seen < 0, seen * self.penalty, seen / self.penalty)
-        return scores.scatter(-1, input_ids, seen)
+        penalized = torch.where(seen < 0, seen * self.penalty, seen / self.penalty)
+        # a huge score divided by a penalty < 1 (or multiplied by one > 1) overflows: it stays at the dtype's largest
+        # finite value instead (+inf would make softmax NaN); a banned token (-inf) stays banned
+        finfo = torch.finfo(scores.dtype)
+        penalized = torch.where(torch.isneginf(seen), seen, penalized.clamp(finfo.min, finfo.max))
+        return scores.scatter(-1, input_ids, penalized)
 
 
 def create_processors(config: GenerationConfig) -> LogitsProcessorList:

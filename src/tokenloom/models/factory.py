@@ -6,14 +6,20 @@ import contextlib
 from collections.abc import Iterator
 from typing import Any
 
+import torch
 from torch import nn
 
 from ..config import from_dict, to_dict
+from ..errors import ConfigError
 from .registry import MODELS
+from .sizes import check_model_memory
 
 
 def model_config_from_dict(data: dict[str, Any], prefix: str = "model") -> tuple[str, Any]:
     """Validate a ``model:`` section -> (family, config dataclass). ``family`` defaults to ``gpt``."""
+    if data is not None and not isinstance(data, dict):
+        raise ConfigError(f"{prefix}: expected a mapping of model fields (family, num_layers, ...), got "
+                          f"{type(data).__name__}")
     data = dict(data or {})
     family = data.pop("family", "gpt")
     config_cls, _ = MODELS.get(family)
@@ -45,8 +51,11 @@ def _no_weight_init() -> Iterator[None]:
 def create_model(family: str, config: Any, *, init: bool = True) -> nn.Module:
     """The model of ``family`` for ``config``. ``init=False`` skips random initialisation (parameters hold
     uninitialised memory): for weights that are about to be loaded, where initialising a large model would
-    take longer than loading it."""
+    take longer than loading it. A model that cannot fit in memory is refused first, in one line
+    (:func:`tokenloom.models.sizes.check_model_memory`; not on the meta device, which allocates nothing)."""
     _, model_cls = MODELS.get(family)
+    if torch.get_default_device().type != "meta":
+        check_model_memory(config)
     if init:
         return model_cls(config)
     with _no_weight_init():

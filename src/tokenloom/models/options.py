@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from torch import nn
@@ -28,7 +29,7 @@ def check_layer_options(config: Any) -> None:
     check(0.0 <= config.dropout < 1.0, f"dropout must be in [0, 1), got {config.dropout}")
     check(config.attention_dropout is None or 0.0 <= config.attention_dropout < 1.0,
           f"attention_dropout must be in [0, 1), got {config.attention_dropout}")
-    check(config.mlp_ratio > 0, f"mlp_ratio must be positive, got {config.mlp_ratio}")
+    check(0 < config.mlp_ratio < math.inf, f"mlp_ratio must be a finite number > 0, got {config.mlp_ratio}")
     check(config.mlp_hidden_dim is None or config.mlp_hidden_dim >= 1,
           f"mlp_hidden_dim must be a positive integer or null, got {config.mlp_hidden_dim}")
     check_choice("norm", config.norm, NORMS)
@@ -42,7 +43,12 @@ def check_layer_options(config: Any) -> None:
     if config.mlp_hidden_dim is not None:
         config.mlp_hidden = config.mlp_hidden_dim
     else:
-        two_layer = int(config.mlp_ratio * config.embed_dim)
+        try:
+            two_layer = int(config.mlp_ratio * config.embed_dim)
+        except OverflowError:  # the product is beyond the float range
+            two_layer = 0
+        check(two_layer >= 1, f"mlp_ratio={config.mlp_ratio} x embed_dim={config.embed_dim} must give an MLP width "
+                              f"of at least 1 and within the float range")
         config.mlp_hidden = swiglu_hidden_dim(two_layer) if config.mlp == "swiglu" else two_layer
 
 

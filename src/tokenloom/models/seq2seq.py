@@ -342,6 +342,9 @@ class _DecoderConfig:
         self.vocab_size = config.vocab_size
         self.max_seq_len = config.max_target_len
         self.bos_id, self.eos_id, self.pad_id = config.bos_id, config.eos_id, config.pad_id
+        # the decoder's cache shape (what the memory budget of beam search counts, tokenloom.models.sizes)
+        self.num_layers, self.num_kv_heads = config.decoder_layers, config.num_kv_heads or config.num_heads
+        self.head_dim = config.head_dim
 
 
 class Seq2SeqDecoder:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import json
+import sys
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -20,12 +21,17 @@ from typing import Any
 
 from fastapi import FastAPI
 from fastapi import Request as HTTPRequest
-from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.routing import APIRoute
+from starlette.requests import ClientDisconnect
 
+from ..errors import ConfigError
 from ..generation.config import MIN_TEMPERATURE, SEED_LIMIT, GenerationConfig, offset_seed
+from . import schema as api_schema
 from .engine import Engine, QueueFull, Request
 from .metrics import Metrics
 from .playground import PLAYGROUND_HTML
+from .security import HostGuard, HostPolicy, bearer_token, check_api_key, check_cors_origins, is_json_media_type
 
 
 @dataclass
@@ -40,6 +46,22 @@ class ServeConfig:
     max_body_bytes: int = 1 << 20
     max_prompts: int = 32  # prompts x n per request
     request_timeout: float = 300.0  # seconds
+    # browser safety (tokenloom.serving.security): the address bound, extra Host names (``*``: any), CORS origins
+    host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()  # empty: CORS off
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_queue", "max_tokens", "max_body_bytes", "max_prompts"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)}")
+        if not (isinstance(self.request_timeout, (int, float)) and 0 < self.request_timeout <= 86400 * 7):
+            raise ConfigError(f"--request-timeout must be a number of seconds in (0, 604800], got "
+                              f"{self.request_timeout}")  # NaN fails the comparison too
+        self.host_policy = HostPolicy.create(self.host, self.allowed_hosts)  # a ConfigError for a bad entry
+        self.cors_origins = check_cors_origins(self.cors_origins)
+        if self.api_key is not None:
+            check_api_key(self.api_key)
 
 
 class APIError(Exception):
@@ -52,6 +74,10 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
 
+class ClientGone(Exception):
+    """The client closed its connection before its reply: nothing is sent, nothing is logged."""
+
+
 # --- request checking ---------------------------------------------------------------------------------------------
 
 def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None, required: bool = False) -> Any:
@@ -60,6 +86,8 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None, 
             raise APIError(400, f"'{name}' is required", param=name, code="missing_field")
         return default
     value = body[name]
+    if isinstance(value, float) and int in kinds and float not in kinds and value.is_integer():
+        value = int(value)  # 5.0 is an integer to JSON Schema (the published schema says "integer")
     if isinstance(value, bool) and bool not in kinds:
         raise APIError(400, f"'{name}' must be {' or '.join(k.__name__ for k in kinds)}, got a boolean", param=name,
                        code="invalid_type")
@@ -79,12 +107,13 @@ def _number(body: dict, name: str, default: float, low: float, high: float, low_
 
 def generation_settings(body: dict, config: ServeConfig, default_max_tokens: int = 16) -> dict[str, Any]:
     """max_tokens, temperature, top_p, top_k, stop, n, seed of an OpenAI request, checked."""
-    max_tokens = _field(body, "max_tokens", (int,), None)
-    if max_tokens is None:
-        max_tokens = _field(body, "max_completion_tokens", (int,), default_max_tokens)
-    if not 1 <= max_tokens <= config.max_tokens:
-        raise APIError(400, f"'max_tokens' must be in [1, {config.max_tokens}], got {max_tokens}", param="max_tokens",
-                       code="invalid_value")
+    max_tokens = min(default_max_tokens, config.max_tokens)
+    for name in ("max_completion_tokens", "max_tokens"):  # both checked; max_tokens wins when both are given
+        value = _field(body, name, (int,), None)
+        if value is not None and not 1 <= value <= config.max_tokens:
+            raise APIError(400, f"'{name}' must be in [1, {config.max_tokens}], got {value}", param=name,
+                           code="invalid_value")
+        max_tokens = max_tokens if value is None else value
     stop = _field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if len(stop) > 4 or not all(isinstance(s, str) and s for s in stop):
@@ -103,9 +132,11 @@ def generation_settings(body: dict, config: ServeConfig, default_max_tokens: int
     if 0 < temperature < MIN_TEMPERATURE:
         raise APIError(400, f"'temperature' must be 0 (greedy) or at least {MIN_TEMPERATURE:.3g}, got {temperature}",
                        param="temperature", code="invalid_value")
+    options = _field(body, "stream_options", (dict,), None) or {}
     return dict(max_tokens=max_tokens, temperature=temperature,
                 top_p=_number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=top_k, stop=stop, n=n, seed=seed,
-                stream=bool(_field(body, "stream", (bool,), False)))
+                stream=bool(_field(body, "stream", (bool,), False)),
+                include_usage=bool(_field(options, "include_usage", (bool,), False)))
 
 
 def check_model(body: dict, config: ServeConfig) -> None:
@@ -141,7 +172,14 @@ def create_app(model, tokenizer, config: ServeConfig):
         if engine is not None:
             engine.stop()
 
-    app = FastAPI(title="tokenloom", lifespan=lifespan, docs_url=None, redoc_url=None, openapi_url=None)
+    # /openapi.json is public documentation (no API key, like /health): the request and reply schemas of every
+    # route (tokenloom.serving.schema), for clients and for fuzzers; no docs pages
+    from .. import __version__
+
+    app = FastAPI(title="tokenloom", version=__version__, lifespan=lifespan, docs_url=None, redoc_url=None,
+                  openapi_url="/openapi.json", description=f"OpenAI-compatible API serving {config.model_name} "
+                  f"({'a language' if is_lm else 'a translation'} model)")
+    context = model.config.max_seq_len
 
     @app.exception_handler(APIError)
     async def api_error(_request, error: APIError):
@@ -154,20 +192,35 @@ def create_app(model, tokenizer, config: ServeConfig):
                             status_code=404)
 
     @app.exception_handler(405)
-    async def not_allowed(request, _error):
+    async def not_allowed(request, error):
         return JSONResponse(APIError(405, f"{request.method} is not allowed on {request.url.path}",
-                                     code="method_not_allowed").body(), status_code=405)
+                                     code="method_not_allowed").body(), status_code=405,
+                            headers=getattr(error, "headers", None))  # Allow: the route's methods
+
+    @app.exception_handler(ClientGone)
+    async def client_gone(_request, _error):
+        return Response(status_code=499)  # nobody reads it (499: nginx's "client closed request", in the log)
+
+    key = check_api_key(config.api_key) if config.api_key is not None else None  # UTF-8 bytes
+    post_paths: set[str] = set()  # the routes that take a POST body (filled at the first request)
 
     @app.middleware("http")
     async def guard(request: HTTPRequest, call_next):
         path = request.url.path
-        if config.api_key is not None and (path.startswith("/v1/") or path == "/metrics"):
-            given = request.headers.get("authorization", "")
-            token = given[7:] if given.lower().startswith("bearer ") else ""
+        if key is not None and (path.startswith("/v1/") or path == "/metrics"):
+            token = bearer_token(request.scope["headers"])  # raw bytes: a non-ASCII key sent as UTF-8 matches
             if not token:
                 return _error(401, "missing API key: send 'Authorization: Bearer KEY'", code="invalid_api_key")
-            if not hmac.compare_digest(token.encode(), config.api_key.encode()):
+            if not hmac.compare_digest(token, key):
                 return _error(401, "incorrect API key", code="invalid_api_key")
+        if not post_paths:
+            post_paths.update(r.path for r in app.routes if isinstance(r, APIRoute) and "POST" in r.methods)
+        if request.method == "POST" and path in post_paths and \
+                not is_json_media_type(request.headers.get("content-type")):
+            # a web page may POST text/plain or a form to any address without asking; application/json needs
+            # a CORS preflight, which only --cors-origin origins pass
+            return _error(415, "send the body as JSON with 'Content-Type: application/json'",
+                          code="unsupported_media_type")
         length = request.headers.get("content-length")
         if length is not None and (not length.isdigit() or int(length) > config.max_body_bytes):
             return _error(413, f"request body over the server's limit of {config.max_body_bytes} bytes",
@@ -178,28 +231,38 @@ def create_app(model, tokenizer, config: ServeConfig):
         metrics.count_error(status)
         return JSONResponse(APIError(status, message, code=code).body(), status_code=status)
 
+    def wrong_host(host: str) -> JSONResponse:
+        shown = host if len(host) <= 80 else host[:80] + "..."
+        return _error(400, f"the Host header {shown!r} is not one this server answers (a page on another site, "
+                           "or DNS rebinding); start it with --allowed-hosts NAME to serve that name",
+                      code="host_not_allowed")
+
+    if config.cors_origins:  # CORS off unless asked for: no Access-Control-* headers, preflights not approved
+        from starlette.middleware.cors import CORSMiddleware
+
+        app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["GET", "POST"],
+                           allow_headers=["Authorization", "Content-Type"], max_age=600)  # outside guard:
+        # preflights need no key, and a page of an allowed origin can read its 401 and 415 errors
+    app.add_middleware(HostGuard, policy=config.host_policy, reject=wrong_host)  # outermost: every request
+
     async def read_json(request: HTTPRequest) -> dict:
         body = b""
-        async for chunk in request.stream():
-            body += chunk
-            if len(body) > config.max_body_bytes:
-                raise APIError(413, f"request body over the server's limit of {config.max_body_bytes} bytes",
-                               code="body_too_large")
         try:
-            data = json.loads(body)
-        except (json.JSONDecodeError, UnicodeDecodeError) as err:
-            raise APIError(400, f"the body is not valid JSON ({err.msg if hasattr(err, 'msg') else err})",
-                           code="invalid_json") from None
-        if not isinstance(data, dict):
-            raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
-        return data
+            async for chunk in request.stream():
+                body += chunk
+                if len(body) > config.max_body_bytes:
+                    raise APIError(413, f"request body over the server's limit of {config.max_body_bytes} bytes",
+                                   code="body_too_large")
+        except ClientDisconnect:  # the client left mid-body
+            raise ClientGone() from None
+        return parse_json(body)
 
-    @app.get("/", response_class=HTMLResponse)
+    @app.get("/", response_class=HTMLResponse, responses=api_schema.get_responses("playground"))
     async def playground():
         return HTMLResponse(PLAYGROUND_HTML.replace("{{MODEL}}", config.model_name)
                             .replace("{{KIND}}", "lm" if is_lm else "translation"))
 
-    @app.get("/health")
+    @app.get("/health", responses=api_schema.get_responses("health"))
     async def health():
         if engine is not None and not engine.alive:  # the watchdog: a stopped engine serves nothing
             return JSONResponse({"status": "error", "model": config.model_name,
@@ -207,12 +270,12 @@ def create_app(model, tokenizer, config: ServeConfig):
         return {"status": "ok", "model": config.model_name,
                 "active": engine.active if engine else 0, "queued": engine.queued if engine else 0}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=api_schema.get_responses("models"))
     async def models():
         return {"object": "list", "data": [{"id": config.model_name, "object": "model", "created": 0,
                                             "owned_by": "tokenloom"}]}
 
-    @app.get("/metrics", response_class=PlainTextResponse)
+    @app.get("/metrics", response_class=PlainTextResponse, responses=api_schema.get_responses("metrics"))
     async def prometheus():
         return PlainTextResponse(metrics.render(engine, config.max_batch),
                                  media_type="text/plain; version=0.0.4")
@@ -302,6 +365,23 @@ def create_app(model, tokenizer, config: ServeConfig):
                 request.cancel()  # no-op for finished ones; frees the rest (an error, a cancelled handler)
         return results
 
+    async def while_connected(http_request: HTTPRequest, work, started):
+        """Await ``work`` (collecting ``started``); a client that leaves first has its requests cancelled, so their
+        rows are freed before the engine's next step (StreamingResponse watches a streaming one the same way)."""
+        task = asyncio.ensure_future(work)
+        watcher = asyncio.ensure_future(_disconnected(http_request))
+        try:
+            done, _ = await asyncio.wait((task, watcher), return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            watcher.cancel()
+            if not task.done():
+                task.cancel()
+                for _, request, _ in started:
+                    request.cancel()
+        if task not in done:
+            raise ClientGone()
+        return task.result()
+
     async def stream(started, chunk, final_usage: bool) -> AsyncIterator[bytes]:
         """Server-sent events: one chunk per text delta, in order of arrival across the choices."""
         pending = {index: (request, events) for index, request, events in started}
@@ -355,7 +435,9 @@ def create_app(model, tokenizer, config: ServeConfig):
             raise APIError(400, f"{what} needs a language model; this server serves a translation model: use "
                                 "POST /v1/translations", code="unsupported_model")
 
-    @app.post("/v1/completions")
+    # the schema lists the routes this model serves (the others answer 400 unsupported_model)
+    @app.post("/v1/completions", include_in_schema=is_lm,
+              openapi_extra=api_schema.completions_operation(config, tokenizer, context))
     async def completions(request: HTTPRequest):
         require_lm("/v1/completions")
         body = await read_json(request)
@@ -379,24 +461,24 @@ def create_app(model, tokenizer, config: ServeConfig):
                     "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
 
         if settings["stream"]:
-            include = bool((body.get("stream_options") or {}).get("include_usage")) \
-                if isinstance(body.get("stream_options"), dict) else False
-            return StreamingResponse(metrics.timed(stream(started, chunk, include), started),
+            return StreamingResponse(metrics.timed(stream(started, chunk, settings["include_usage"]), started),
                                      media_type="text/event-stream")
-        results = await metrics.timed_collect(collect(started), started)
+        results = await metrics.timed_collect(while_connected(request, collect(started), started), started)
         return {"id": rid, "object": "text_completion", "created": created, "model": config.model_name,
                 "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
                             for i, t, f in sorted(results)], "usage": usage(started)}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", include_in_schema=is_lm,
+              openapi_extra=api_schema.chat_operation(config, tokenizer))
     async def chat(request: HTTPRequest):
         require_lm("/v1/chat/completions")
         body = await read_json(request)
         check_model(body, config)
         messages = _field(body, "messages", (list,), required=True)
-        if not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str) for m in messages):
+        if not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
+                                   and isinstance(m.get("role"), str) for m in messages):
             raise APIError(400, "'messages' must be a non-empty list of {role, content} objects with string "
-                                "content", param="messages", code="invalid_type")
+                                "role and content", param="messages", code="invalid_type")
         prompt = "".join(m["content"] + "\n" for m in messages)  # no chat template: plain concatenation
         settings = generation_settings(body, config, default_max_tokens=config.max_tokens)
         settings["max_tokens"] = min(settings["max_tokens"], max(1, model.config.max_seq_len - len(
@@ -412,14 +494,15 @@ def create_app(model, tokenizer, config: ServeConfig):
                     "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
 
         if settings["stream"]:
-            return StreamingResponse(metrics.timed(stream(started, chunk, False), started),
+            return StreamingResponse(metrics.timed(stream(started, chunk, settings["include_usage"]), started),
                                      media_type="text/event-stream")
-        results = await metrics.timed_collect(collect(started), started)
+        results = await metrics.timed_collect(while_connected(request, collect(started), started), started)
         return {"id": rid, "object": "chat.completion", "created": created, "model": config.model_name,
                 "choices": [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": f}
                             for i, t, f in sorted(results)], "usage": usage(started)}
 
-    @app.post("/v1/translations")
+    @app.post("/v1/translations", include_in_schema=not is_lm,
+              openapi_extra=api_schema.translations_operation(config, tokenizer, MAX_INPUTS, MAX_BEAM))
     async def translations(request: HTTPRequest):
         if engine is not None:
             raise APIError(400, "/v1/translations needs an encoder-decoder or NAT model; this server serves a "
@@ -428,12 +511,12 @@ def create_app(model, tokenizer, config: ServeConfig):
         check_model(body, config)
         given = _field(body, "input", (str, list), required=True)
         sources = [given] if isinstance(given, str) else given
-        if not sources or not all(isinstance(s, str) for s in sources) or len(sources) > 256:
-            raise APIError(400, "'input' must be a string or a list of 1-256 strings", param="input",
+        if not sources or not all(isinstance(s, str) for s in sources) or len(sources) > MAX_INPUTS:
+            raise APIError(400, f"'input' must be a string or a list of 1-{MAX_INPUTS} strings", param="input",
                            code="invalid_type")
         beam = _field(body, "beam", (int,), 1)
-        if not 1 <= beam <= 8:
-            raise APIError(400, f"'beam' must be in [1, 8], got {beam}", param="beam", code="invalid_value")
+        if not 1 <= beam <= MAX_BEAM:
+            raise APIError(400, f"'beam' must be in [1, {MAX_BEAM}], got {beam}", param="beam", code="invalid_value")
         options = {} if hasattr(model, "decode_parallel") else {"beam": beam}
         from ..errors import TokenloomError
         from ..tasks.translation import translate
@@ -451,7 +534,107 @@ def create_app(model, tokenizer, config: ServeConfig):
                 "data": [{"index": i, "translation": t} for i, t in enumerate(out)]}
 
     app.state.engine, app.state.metrics = engine, metrics
+    app.add_middleware(CatchAll, metrics=metrics)  # added last: the outermost, around every other middleware
     return app
+
+
+MAX_INPUTS, MAX_BEAM = 256, 8  # sentences per translation request, beam width
+
+
+def parse_json(body: bytes) -> dict:
+    """The request body as a JSON object; anything else (not JSON, nested past the parser's depth, a number past
+    Python's 4300-digit limit, NaN/Infinity, a lone surrogate in a string) is a 400 \"invalid_json\"."""
+    try:
+        data = json.loads(body, parse_constant=_no_constant)
+    except json.JSONDecodeError as err:
+        raise APIError(400, f"the body is not valid JSON ({err.msg} at position {err.pos})",
+                       code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the body is not valid JSON for this server (nested too deeply)",
+                       code="invalid_json") from None
+    except UnicodeDecodeError as err:
+        raise APIError(400, f"the body is not valid JSON (not UTF-8: {err.reason} at byte {err.start})",
+                       code="invalid_json") from None
+    except ValueError as err:  # int('1' * 5000): the limit on integer string conversion
+        detail = "a number with more than 4300 digits" if "integer string conversion" in str(err) else \
+            str(err).splitlines()[0][:200]
+        raise APIError(400, f"the body is not valid JSON for this server ({detail})", code="invalid_json") from None
+    if not isinstance(data, dict):
+        raise APIError(400, f"the body must be a JSON object, got {type(data).__name__}", code="invalid_json")
+    _check_strings(data)
+    return data
+
+
+def _no_constant(name: str):  # noqa: ANN202 - json's parse_constant hook
+    raise APIError(400, f"the body is not valid JSON ({name} is not a JSON value)", code="invalid_json")
+
+
+def _check_strings(data: Any) -> None:
+    """Refuse a lone UTF-16 surrogate (JSON's \\ud800) anywhere in ``data``: it is not text, no tokenizer encodes
+    it, and no reply that quotes it can be written as UTF-8."""
+    stack = [data]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise APIError(400, "the body holds a lone UTF-16 surrogate (\\ud800-\\udfff), which is not "
+                                        "text", code="invalid_json") from None
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+
+
+async def _disconnected(request: HTTPRequest) -> None:
+    """Return once the client has gone (after the body has been read, the ASGI receive channel has nothing else to
+    say but ``http.disconnect``)."""
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+        await asyncio.sleep(0.05)  # (a server that repeats empty body messages: do not spin)
+
+
+class CatchAll:
+    """ASGI middleware: an exception that escapes a handler becomes a JSON 500 (``server_error`` /
+    ``internal_error``, one line, no traceback in the body), logged once to stderr as one line; a reply already
+    begun is ended where it is. The server goes on."""
+
+    def __init__(self, app, metrics: Metrics | None = None) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        begun = False
+
+        async def send_tracked(message) -> None:
+            nonlocal begun
+            begun = begun or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_tracked)
+        except Exception as err:  # noqa: BLE001 — one request's failure must not become a traceback
+            detail = (str(err).splitlines() or [""])[0][:300]
+            print(f"error: {scope.get('method')} {scope.get('path')} failed: {type(err).__name__}: {detail}",
+                  file=sys.stderr, flush=True)
+            if self.metrics is not None:
+                self.metrics.count_error(500)
+            try:
+                if not begun:
+                    await JSONResponse(APIError(500, f"the server failed on this request ({type(err).__name__}); "
+                                                     "see its log", type_="server_error", code="internal_error")
+                                       .body(), status_code=500)(scope, receive, send)
+                else:
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            except Exception:  # noqa: BLE001, S110 — the client is gone: nothing to tell it
+                pass
 
 
 def _translate(translate, model, tokenizer, sources, options):

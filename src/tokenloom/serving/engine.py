@@ -31,8 +31,10 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..errors import ConfigError
 from ..generation.config import GenerationConfig
 from ..generation.processors import create_processors
+from ..models.sizes import check_kv_cache
 
 
 class QueueFull(Exception):
@@ -79,7 +81,9 @@ class Engine:
         self.max_batch, self.max_len = max_batch, model.config.max_seq_len
         ref = model.tok_embed.weight
         c = model.config
-        # (L, 2, rows, Hkv, M, D): every layer's keys and values for max_batch rows of the full context
+        # (L, 2, rows, Hkv, M, D): every layer's keys and values for max_batch rows of the full context, refused in
+        # one line when it cannot fit in memory (tokenloom.budget)
+        check_kv_cache(c, max_batch, self.max_len, ref.element_size(), f"max_batch={max_batch}", error=ConfigError)
         self.kv = torch.zeros((c.num_layers, 2, max_batch, c.num_kv_heads or c.num_heads, self.max_len, c.head_dim),
                               dtype=ref.dtype)
         self.plans: dict[int, object] = {}  # running rows -> the model's step functions over kv[:, :, :rows]

@@ -40,7 +40,9 @@ if (kind === "translation") { $("run").textContent = "Translate"; $("prompt").va
 
 function headers() {
   const h = {"Content-Type": "application/json"};
-  if ($("api_key").value) { h["Authorization"] = "Bearer " + $("api_key").value; }
+  // a header holds bytes: send the key's UTF-8 bytes, one character each (the server compares UTF-8 bytes)
+  const key = Array.from(new TextEncoder().encode($("api_key").value), (b) => String.fromCharCode(b)).join("");
+  if (key) { h["Authorization"] = "Bearer " + key; }
   return h;
 }
 function finish(state, message) {

@@ -231,7 +231,7 @@ class ImageClassificationTask(Sharded):
         if self.offset + size > self.dataset.size("train"):
             self.epoch, self.offset, self._order = self.epoch + 1, 0, None
         if self._order is None:
-            epoch_generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+            epoch_generator = torch.Generator().manual_seed((self.seed * 1_000_003 + self.epoch) % 2**64)
             self._order = torch.randperm(self.dataset.size("train"), generator=epoch_generator)
         indices = self._order[self.offset:self.offset + size]
         self.offset += size

@@ -107,6 +107,9 @@ class TrainConfig:
         check(self.stop_after_steps is None or self.stop_after_steps >= 1,
               f"train.stop_after_steps must be >= 1, got {self.stop_after_steps}")
         check(self.lr > 0, f"train.lr must be positive, got {self.lr}")
+        check(0 <= self.seed < SEED_LIMIT, f"train.seed must be an integer in [0, 2^64), got {self.seed}")
+        check(self.threads is None or self.threads >= 1,
+              f"train.threads must be a positive integer or null, got {self.threads}")
         check(self.average_last >= 0, f"train.average_last must be >= 0, got {self.average_last}")
         check(self.seq_len is None or self.seq_len >= 1, f"train.seq_len must be >= 1, got {self.seq_len}")
         check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
@@ -132,6 +135,20 @@ class TrainConfig:
         check(0 <= self.min_lr <= self.lr, f"train.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
 
 
+SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed takes seeds in [0, 2^64) (and [-2^63, 0), which is refused here)
+TOKENIZER_KEYS = ("eos_token",)
+
+
+def check_tokenizer_section(section: Any, where: str = "tokenizer") -> None:
+    """A run's (or a checkpoint's) ``tokenizer`` section: ``eos_token``, a token of the vocabulary or null."""
+    check(isinstance(section, dict), f"{where} must be a mapping (eos_token: ...), got {section!r}")
+    for key, value in section.items():
+        check(key in TOKENIZER_KEYS, f"unknown key {f'{where}.{key}'!r}{did_you_mean(str(key), TOKENIZER_KEYS)}; "
+                                     f"allowed: {', '.join(TOKENIZER_KEYS)}")
+        check(value is None or isinstance(value, str),
+              f"{where}.{key} must be a token (a string) or null, got {value!r}")
+
+
 @dataclass
 class RunConfig:
     task: str = "lm"  # what is trained: lm | translation | image_classification
@@ -144,6 +161,7 @@ class RunConfig:
 
     def __post_init__(self) -> None:
         check_choice("task", self.task, TASKS)
+        check_tokenizer_section(self.tokenizer)
         # the family defaults to the task's; vocab_size (in families that have one) comes from the
         # tokenizer when unset, so a placeholder stands in for it here
         model = {"family": TASKS.get(self.task).default_family, **self.model}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import warnings
 from pathlib import Path
@@ -28,7 +29,6 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
     take its tokenizer and reuse the prepared files. Every rank builds the same initial weights (one seed);
     dropout streams differ per rank."""
     run_dir = Path(run_dir)
-    check_writable(run_dir)  # before any data is prepared or a step is trained
     t = config.train
     task_cls = TASKS.get(config.task)
     uses_tokenizer = getattr(task_cls, "uses_tokenizer", True)
@@ -42,6 +42,8 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
         checkpoint = resolve_checkpoint(t.init_from)
         tokenizer = load_tokenizer(checkpoint) if uses_tokenizer else None
         model_section = {**read_config(checkpoint).get("model", {}), **config.model}
+    check_training_memory(config, model_section)  # before anything is written, prepared or allocated
+    check_writable(run_dir)  # before any data is prepared or a step is trained
     if t.threads:
         torch.set_num_threads(t.threads)
     torch.manual_seed(t.seed)
@@ -54,7 +56,7 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
     if dist.active and dist.is_main:
         dist.broadcast_object(tokenizer)
     if dist.rank:
-        torch.manual_seed(t.seed + 1_000_003 * dist.rank)  # this rank's dropout stream (rank 0 keeps seed's)
+        torch.manual_seed((t.seed + 1_000_003 * dist.rank) % 2**64)  # this rank's dropout stream (rank 0: seed's)
     if t.activation_checkpointing:
         model_config = getattr(model, "config", None)
         if not hasattr(model_config, "gradient_checkpointing"):
@@ -76,6 +78,30 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
     if resume:
         trainer.load_state(checkpoint)
     return trainer
+
+
+VOCABULARY_STAND_IN = 256  # the vocabulary size counted before the tokenizer is known (a lower bound)
+
+
+def check_training_memory(config: RunConfig, model_section: dict) -> None:
+    """Refuse a run that cannot fit in this machine's memory before any data is prepared: its weights, gradients,
+    optimizer moments and activations (:func:`tokenloom.models.sizes.training_parts`) against
+    :func:`tokenloom.budget.memory_limit`; one line naming the setting of the largest part."""
+    from ..budget import check_memory
+    from ..models.factory import model_config_from_dict
+    from ..models.registry import MODELS
+    from ..models.sizes import training_parts
+
+    section = {"family": TASKS.get(config.task).default_family, **model_section}
+    config_cls, _ = MODELS.get(section["family"])
+    if "vocab_size" in {f.name for f in dataclasses.fields(config_cls)}:
+        section.setdefault("vocab_size", VOCABULARY_STAND_IN)  # from the tokenizer, later
+    _, model_config = model_config_from_dict(section)
+    t = config.train
+    parts = training_parts(model_config, t.batch_size, t.seq_len, activation_checkpointing=t.activation_checkpointing)
+    if parts:
+        largest = max(parts, key=lambda p: p.bytes)
+        check_memory(f"{largest.setting}: training", ((p.what, p.bytes) for p in parts))
 
 
 def newest_intact_checkpoint(run_dir: Path) -> Path:

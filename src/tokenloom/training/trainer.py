@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
@@ -43,6 +44,7 @@ from .precision import MasterWeights, autocast
 from .schedules import create_scheduler
 
 HISTORY_DIR = "history"  # <run>/history/step-NNNNNNNN: earlier checkpoints (train.keep_checkpoints > 1)
+METRICS_FILE = "metrics.jsonl"  # <run>/metrics.jsonl: one JSON object a line, each with the step it was logged at
 
 
 def _plain_numpy_state() -> tuple:
@@ -84,6 +86,18 @@ def _load_state_file(path: Path) -> dict[str, Any]:
     return state
 
 
+def _before_checkpoint(line: bytes, step: int) -> bool:
+    """Whether a ``metrics.jsonl`` line was logged before the checkpoint of ``step`` was written: lines of earlier
+    steps, and of that step except a skipped update's (an update skipped at ``step`` comes after its checkpoint).
+    A torn or foreign line is not kept."""
+    try:
+        record = json.loads(line)
+        logged = int(record["step"])
+    except (ValueError, TypeError, KeyError):
+        return False
+    return logged < step or (logged == step and "skipped" not in record)
+
+
 class Trainer:
     def __init__(self, config: RunConfig, model: nn.Module, task: Any, run_dir: str | Path, *,
                  tokenizer: Any = None, model_section: dict[str, Any] | None = None,
@@ -92,6 +106,8 @@ class Trainer:
         # elsewhere continues in it) and its `machine` section the CPU and the reason
         self.precision = choose_precision(config.train.precision)
         recorded = config.machine.get("precision") or {}
+        if not isinstance(recorded, dict):  # a record edited by hand (or damaged): no record
+            recorded = {}
         if recorded.get("requested") == "auto" and recorded.get("chosen") == self.precision.precision:  # a resume
             self.precision = dataclasses.replace(self.precision, requested="auto",
                                                  reason=f"chosen when the run started: {recorded.get('reason')}")
@@ -180,7 +196,8 @@ class Trainer:
             }, tmp / STATE_FILE)
 
         if self.dist.is_main:
-            self._write(weights, save_state)
+            with self._disk(self.checkpoint_dir):
+                self._write(weights, save_state)
         self.saved_step = self.step
         self.dist.barrier()  # the checkpoint is on disk for every rank
         return self.checkpoint_dir
@@ -192,7 +209,11 @@ class Trainer:
             history = self.run_dir / HISTORY_DIR
             history.mkdir(exist_ok=True)
             target = history / f"step-{self.saved_step:08d}"
-            shutil.rmtree(target, ignore_errors=True)
+            if target.exists():
+                # resumed from this history entry past a damaged <run>/checkpoint: the damaged one goes aside,
+                # never over the intact checkpoint of the same step
+                target = self.run_dir / "checkpoint.damaged"
+                shutil.rmtree(target, ignore_errors=True)
             os.replace(self.checkpoint_dir, target)
             for old in sorted(history.glob("step-*"))[:-(keep - 1)]:
                 shutil.rmtree(old, ignore_errors=True)
@@ -200,6 +221,20 @@ class Trainer:
                          state_dict=weights)
         if self.config.train.average_last:
             self._snapshot(weights)
+
+    @contextlib.contextmanager
+    def _disk(self, path: Path) -> Iterator[None]:
+        """Writing under the run directory: a failure (read-only, full, gone) becomes a one-line
+        :class:`TrainingError` naming the path and the last checkpoint, which the atomic writes leave intact."""
+        try:
+            yield
+        except (OSError, SafetensorError) as err:
+            where = getattr(err, "filename", None) or path
+            why = getattr(err, "strerror", None) or (str(err).splitlines() or [type(err).__name__])[0]
+            kept = (f"the last checkpoint (step {self.saved_step}) in {self.run_dir} is intact: continue with "
+                    "--resume once the directory takes files again" if self.saved_step is not None
+                    else "no checkpoint was written yet")
+            raise TrainingError(f"cannot write {where}: {why}; {kept}") from None
 
     def _weights(self) -> dict[str, torch.Tensor] | None:
         """The weights a checkpoint holds: the float32 masters in bf16 mode, else the model's own (FSDP: gathered
@@ -261,11 +296,14 @@ class Trainer:
             weights = self._weights()
             if self.dist.is_main:
                 config = {**self._config_dict(), "best": {"metric": name, "value": value, "step": self.step}}
-                write_checkpoint(self.run_dir / "best", self.model, config, self.tokenizer, state_dict=weights)
+                with self._disk(self.run_dir / "best"):
+                    write_checkpoint(self.run_dir / "best", self.model, config, self.tokenizer, state_dict=weights)
 
     def load_state(self, checkpoint: str | Path) -> None:
         """Restore optimizer, scheduler, RNGs and step from a checkpoint (weights are loaded by the caller)."""
         path = resolve_checkpoint(checkpoint) / STATE_FILE
+        if path.is_dir():
+            raise CheckpointError(f"cannot resume: {path} is a directory, not a trainer state")
         if not path.is_file():
             raise CheckpointError(f"cannot resume: {path} is missing (the checkpoint holds weights only)")
         try:
@@ -285,7 +323,7 @@ class Trainer:
                 np.random.set_state(tuple(rngs[self.dist.rank]["numpy"]))
                 random.setstate(rngs[self.dist.rank]["python"])
             else:  # a rank the checkpoint did not have (more processes than before): its own streams
-                seed = self.config.train.seed + 1_000_003 * self.dist.rank + int(state["step"])
+                seed = (self.config.train.seed + 1_000_003 * self.dist.rank + int(state["step"])) % 2**64
                 torch.manual_seed(seed), np.random.seed(seed % 2**32), random.seed(seed)
             self.step = int(state["step"])
             self.saved_step = self.step
@@ -295,7 +333,9 @@ class Trainer:
             self.tokens_seen = int(state.get("tokens_seen", 0))  # 0 in checkpoints older than the counter
             if state.get("task") is not None and hasattr(self.task, "load_state_dict"):
                 self.task.load_state_dict(state["task"])
-        except (OSError, RuntimeError, KeyError, ValueError, EOFError, TypeError, IndexError) as err:
+        except OSError as err:
+            raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
+        except (RuntimeError, KeyError, ValueError, EOFError, TypeError, IndexError) as err:
             raise CheckpointError(f"{path} is truncated or corrupt ({(str(err).splitlines() or [repr(err)])[0]})") \
                 from None
 
@@ -329,8 +369,37 @@ class Trainer:
     def _log(self, record: dict[str, Any]) -> None:
         if not self.dist.is_main:
             return
-        with open(self.run_dir / "metrics.jsonl", "a") as fh:
+        path = self.run_dir / METRICS_FILE
+        with self._disk(path), open(path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
+
+    def _start_metrics(self) -> None:
+        """Make ``metrics.jsonl`` this run's story up to now, before the first line is logged: a fresh run (no
+        checkpoint loaded or written) starts a new file (an earlier run's, one that never reached a checkpoint, is
+        replaced, with a warning); a resume keeps the lines up to the checkpoint it continues from and drops those
+        of the steps it replays (logged after that checkpoint by a run that was killed), so each step is logged
+        once. Rewritten atomically (a temporary file, then a rename); a torn last line is dropped."""
+        if not self.dist.is_main:
+            return
+        path = self.run_dir / METRICS_FILE
+        if not path.exists():
+            return
+        with self._disk(path):
+            if self.saved_step is None:
+                warnings.warn(f"{path} of an earlier run (without a checkpoint) is replaced by this run's",
+                              stacklevel=3)
+                path.unlink()
+                return
+            lines = path.read_bytes().splitlines(keepends=True)
+            kept = [line.rstrip(b"\r\n") + b"\n" for line in lines if _before_checkpoint(line, self.saved_step)]
+            if len(kept) == len(lines) and (not lines or lines[-1].endswith(b"\n")):
+                return
+            tmp = path.with_name(path.name + ".tmp")
+            with open(tmp, "wb") as fh:
+                fh.writelines(kept)
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
 
     def evaluate(self) -> dict[str, float]:
         """Every rank evaluates the whole validation set (identical results); rank 0 logs."""
@@ -472,7 +541,9 @@ class Trainer:
         t = self.config.train
         if t.threads:
             torch.set_num_threads(t.threads)
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        with self._disk(self.run_dir):
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self._start_metrics()
         if self.master is not None:
             self.master.to_low()
         self._wrap_for_training()
@@ -539,7 +610,8 @@ class Trainer:
             if failure is not None:
                 raise failure
             if self.config.train.average_last and stopped_by in ("max_steps", "max_minutes") and self.dist.is_main:
-                self.average_snapshots()
+                with self._disk(self.run_dir / "averaged"):
+                    self.average_snapshots()
         elapsed = time.perf_counter() - start_time
         summary = {"step": self.step, "train_loss": loss, **metrics, "stopped_by": stopped_by,
                    "nonfinite_steps": self.nonfinite_steps, "tokens": self.tokens_seen,

@@ -1,0 +1,205 @@
+"""The OpenAPI description of the server's routes (published at ``/openapi.json``): JSON Schemas of the request
+bodies with the ranges the handlers check, and of the replies. The handlers read and check their bodies
+themselves (:mod:`tokenloom.serving.app`), so FastAPI knows nothing of them; the schemas here are written to
+match those checks, and ``tests/serving/test_fuzz_server.py`` runs schemathesis against a live server to hold
+them to it: a body the schema allows gets 200 unless a check the schema cannot state refuses it (prompts x n over
+the limit, a prompt longer than the context once tokenized, a temperature below the smallest float32), and a
+body the schema refuses gets a 4xx.
+
+For a character tokenizer the text fields name the vocabulary as a ``pattern`` and the context as
+``maxLength`` (one token per character); other tokenizers accept any text.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from ..generation.config import SEED_LIMIT
+
+FINISH_REASONS = ["stop", "length"]
+
+ERROR = {
+    "type": "object", "required": ["error"],
+    "properties": {"error": {
+        "type": "object", "required": ["message", "type", "param", "code"],
+        "properties": {"message": {"type": "string"}, "type": {"type": "string"},
+                       "param": {"type": ["string", "null"]}, "code": {"type": ["string", "null"]}}}},
+}
+USAGE = {
+    "type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
+    "properties": {k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens",
+                                                                   "total_tokens")},
+}
+_ERRORS = {
+    "400": "a field of the wrong type or out of range, a body that is not a JSON object, a prompt the tokenizer "
+           "cannot encode or longer than the context",
+    "401": "a missing or wrong API key (with --api-key)",
+    "404": "a model other than the one served",
+    "413": "a body over --max-body-bytes",
+    "415": "a body not sent as application/json",
+    "429": "the queue is full (--max-queue)",
+    "500": "an unexpected failure (one line, no traceback)",
+    "503": "the engine has stopped, or over --limit-concurrency",
+    "504": "the request ran past --request-timeout",
+}
+
+
+def _errors(*statuses: str) -> dict[str, Any]:
+    return {s: {"description": _ERRORS[s], "content": {"application/json": {"schema": ERROR}}} for s in statuses}
+
+
+def text_schema(tokenizer, context: int | None = None) -> dict[str, Any]:
+    """A string the tokenizer encodes: for a character tokenizer, its characters and (``context``) at most that
+    many; otherwise any string."""
+    if getattr(tokenizer, "kind", None) != "char":
+        return {"type": "string"}
+    vocab = sorted(tokenizer.backend.get_vocab(with_added_tokens=False))
+    schema: dict[str, Any] = {"type": "string", "pattern": "^[" + "".join(_class_char(c) for c in vocab) + "]*$"}
+    if context is not None:
+        schema["maxLength"] = context
+    return schema
+
+
+def _class_char(ch: str) -> str:
+    """``ch`` inside a regex character class, as ECMA 262 (JSON Schema) and Python both read it."""
+    if ch.isalnum() and ch.isascii():
+        return ch
+    return f"\\u{ord(ch):04x}" if ord(ch) < 0x10000 else re.escape(ch)
+
+
+def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
+    return {**schema, "type": [schema["type"], "null"]}
+
+
+def generation_properties(config) -> dict[str, Any]:  # noqa: ANN001 - a ServeConfig
+    """The sampling settings shared by completions and chat completions."""
+    tokens = {"type": "integer", "minimum": 1, "maximum": config.max_tokens}
+    stop = {"type": "string", "minLength": 1}
+    return {
+        "model": {"enum": [config.model_name, None], "description": "the served model's id (optional)"},
+        "max_tokens": _nullable({**tokens, "description": "new tokens at most (default 16 for completions, "
+                                                          "--max-tokens for chat)"}),
+        "max_completion_tokens": _nullable({**tokens, "description": "the same as max_tokens, when that is absent"}),
+        "temperature": _nullable({"type": "number", "minimum": 0, "maximum": 2,
+                                  "description": "0: greedy; otherwise at least 1.18e-38 (the smallest normal "
+                                                 "float32)"}),
+        "top_p": _nullable({"type": "number", "exclusiveMinimum": 0, "maximum": 1}),
+        "top_k": _nullable({"type": "integer", "minimum": 1}),
+        "n": _nullable({"type": "integer", "minimum": 1, "maximum": config.max_prompts,
+                        "description": f"choices per prompt; prompts x n at most {config.max_prompts}"}),
+        # exclusiveMaximum 2^64 (a float exactly): validators that compare as floats round 2^64 - 1 up to 2^64
+        "seed": _nullable({"type": "integer", "minimum": 0, "exclusiveMaximum": SEED_LIMIT,
+                           "description": "choice j samples with seed + j"}),
+        "stop": {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": 4}, {"type": "null"}]},
+        "stream": _nullable({"type": "boolean"}),
+        "stream_options": _nullable({"type": "object",
+                                     "properties": {"include_usage": _nullable({"type": "boolean"})}}),
+    }
+
+
+def _body(schema: dict[str, Any]) -> dict[str, Any]:
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": schema}}}}
+
+
+def _reply(schema: dict[str, Any], chunk: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The 200 reply: ``schema`` as JSON, and with a streaming ``chunk`` schema also server-sent events (before
+    OpenAPI 3.2 the ``schema`` of an event stream describes one event: its ``data`` is a chunk as JSON text)."""
+    content: dict[str, Any] = {"application/json": {"schema": schema}}
+    if chunk is not None:
+        content["text/event-stream"] = {"schema": {
+            "type": "object", "required": ["data"], "properties": {
+                # no contentMediaType: the last event, [DONE], is not JSON (OpenAI's convention)
+                "data": {"type": "string", "description": "one chunk as JSON text (x-chunk-schema; an error "
+                                                          "object if the request fails midway); the last is [DONE]"},
+                "event": {"type": "string"}}, "x-chunk-schema": chunk}}
+    return {"200": {"description": "the result (server-sent events with stream: true)", "content": content}}
+
+
+def _choice_list(choice: dict[str, Any]) -> dict[str, Any]:
+    return {"type": "array", "items": {"type": "object", "required": list(choice), "properties": choice}}
+
+
+def completions_operation(config, tokenizer, context: int) -> dict[str, Any]:  # noqa: ANN001 - a ServeConfig
+    text = {**text_schema(tokenizer, context - 1), "minLength": 1}
+    body = {"type": "object", "required": ["prompt"], "properties": {
+        "prompt": {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": config.max_prompts}],
+                   "description": "a prompt or a list of them"},
+        **generation_properties(config)}}
+    reply = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "usage": USAGE,
+        "choices": _choice_list({"index": {"type": "integer", "minimum": 0}, "text": {"type": "string"},
+                                 "logprobs": {"type": "null"}, "finish_reason": {"enum": FINISH_REASONS}})}}
+    chunk = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
+        **reply["properties"], "usage": USAGE,
+        "choices": _choice_list({"index": {"type": "integer", "minimum": 0}, "text": {"type": "string"},
+                                 "logprobs": {"type": "null"},
+                                 "finish_reason": {"enum": [*FINISH_REASONS, None]}})}}
+    return {**_body(body), "responses": {**_reply(reply, chunk),
+                                         **_errors("400", "401", "404", "413", "415", "429", "500", "504")}}
+
+
+def chat_operation(config, tokenizer) -> dict[str, Any]:  # noqa: ANN001 - a ServeConfig
+    message = {"type": "object", "required": ["role", "content"], "properties": {
+        "role": {"type": "string"}, "content": text_schema(tokenizer)}}
+    body = {"type": "object", "required": ["messages"], "properties": {
+        "messages": {"type": "array", "items": message, "minItems": 1,
+                     "description": "the contents are joined, each followed by a newline (no chat template); "
+                                    "together they must fit the context"},
+        **generation_properties(config)}}
+    reply = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
+        "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
+        "model": {"type": "string"}, "usage": USAGE,
+        "choices": _choice_list({"index": {"type": "integer", "minimum": 0},
+                                 "message": {"type": "object", "required": ["role", "content"], "properties": {
+                                     "role": {"const": "assistant"}, "content": {"type": "string"}}},
+                                 "finish_reason": {"enum": FINISH_REASONS}})}}
+    chunk = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
+        **reply["properties"], "object": {"const": "chat.completion.chunk"}, "usage": USAGE,
+        "choices": _choice_list({"index": {"type": "integer", "minimum": 0},
+                                 "delta": {"type": "object", "properties": {"role": {"const": "assistant"},
+                                                                            "content": {"type": "string"}}},
+                                 "finish_reason": {"enum": [*FINISH_REASONS, None]}})}}
+    return {**_body(body), "responses": {**_reply(reply, chunk),
+                                         **_errors("400", "401", "404", "413", "415", "429", "500", "504")}}
+
+
+def translations_operation(config, tokenizer, max_inputs: int, max_beam: int) -> dict[str, Any]:  # noqa: ANN001
+    text = text_schema(tokenizer)
+    body = {"type": "object", "required": ["input"], "properties": {
+        "model": {"enum": [config.model_name, None]},
+        "input": {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": max_inputs}],
+                  "description": "a sentence or a list of them (each cut to the model's context)"},
+        "beam": _nullable({"type": "integer", "minimum": 1, "maximum": max_beam,
+                           "description": "beam width (ignored by NAT models)"})}}
+    reply = {"type": "object", "required": ["object", "model", "data"], "properties": {
+        "object": {"const": "list"}, "model": {"type": "string"},
+        "data": _choice_list({"index": {"type": "integer", "minimum": 0}, "translation": {"type": "string"}})}}
+    return {**_body(body), "responses": {**_reply(reply),
+                                         **_errors("400", "401", "404", "413", "415", "500")}}
+
+
+def get_responses(kind: str) -> dict[str, Any]:
+    """``responses`` of the GET routes: ``health``, ``models``, ``metrics``, ``playground``."""
+    if kind == "health":
+        ok = {"type": "object", "required": ["status", "model"], "properties": {
+            "status": {"enum": ["ok", "error"]}, "model": {"type": "string"},
+            "active": {"type": "integer", "minimum": 0}, "queued": {"type": "integer", "minimum": 0},
+            "error": {"type": "string"}}}
+        return {"200": {"description": "serving", "content": {"application/json": {"schema": ok}}},
+                "503": {"description": "the engine has stopped (status: error), or over --limit-concurrency (an "
+                                       "error object)",
+                        "content": {"application/json": {"schema": {"anyOf": [ok, ERROR]}}}}}
+    if kind == "models":
+        model = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {
+            "id": {"type": "string"}, "object": {"const": "model"}, "created": {"type": "integer"},
+            "owned_by": {"type": "string"}}}
+        listing = {"type": "object", "required": ["object", "data"], "properties": {
+            "object": {"const": "list"}, "data": {"type": "array", "items": model}}}
+        return {"200": {"description": "the served model", "content": {"application/json": {"schema": listing}}},
+                **_errors("401")}
+    if kind == "metrics":
+        return {"200": {"description": "Prometheus text", "content": {"text/plain": {"schema": {"type": "string"}}}},
+                **_errors("401")}
+    return {"200": {"description": "the playground page", "content": {"text/html": {"schema": {"type": "string"}}}}}
