@@ -109,7 +109,7 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
     kwargs = {}
     for key, value in data.items():
         if not (printable(key) and printable(value)):  # the messages below quote both
-            at = f"{name}.{key}" if printable(key) else name
+            at = (f"{prefix}.{key}" if prefix else str(key)) if printable(key) else name
             raise ConfigError(f"{at}: holds an integer too long to print (more than 4300 digits); no setting takes one")
         where = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
