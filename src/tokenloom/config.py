@@ -13,6 +13,7 @@ field, the value and what is allowed.
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 import types
 import typing
@@ -41,6 +42,10 @@ def _type_name(tp: Any) -> str:
 _FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)[eE][-+]?\d+")
 
 
+class _NotFinite(ConfigError):
+    """A float setting given as NaN or an infinity."""
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check ``value`` against the type hint ``tp``; return it (ints widen to floats)."""
     origin = get_origin(tp)
@@ -51,6 +56,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         for arg in get_args(tp):
             try:
                 return _coerce(value, arg, where)
+            except _NotFinite:
+                raise  # a number of the right type but NaN or infinite: that, not "expected float or null"
             except ConfigError as err:
                 errors.append(err)
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
@@ -83,10 +90,16 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
     elif tp is float:
+        number = None
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
-        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):  # YAML 1.1 reads 1e-4 as a string
-            return float(value)
+            number = float(value) if abs(value) < 2 ** 1024 else math.inf  # (an int too large for a float)
+        elif isinstance(value, str) and _FLOAT.fullmatch(value.strip()):  # YAML 1.1 reads 1e-4 as a string
+            number = float(value)
+        if number is not None:
+            if not math.isfinite(number):  # no setting is a NaN or infinite number (null turns off what can be off)
+                shown = value if printable(value) else "an integer too large for a float"
+                raise _NotFinite(f"{where}: expected a finite number, got {shown}")
+            return number
     elif tp is str:
         if isinstance(value, str):
             return value

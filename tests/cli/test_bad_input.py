@@ -77,6 +77,11 @@ TRAIN = ["train", "{root}/recipe.yaml", "--out", "{out}", "--set"]
     ([*TRAIN, "tokenizer.eos_token=[a, b]"], "tokenizer.eos_token must be a token (a string) or null, got ['a', 'b']"),
     ([*TRAIN, "tokenizer.eos_token={{a: 1}}"], "tokenizer.eos_token must be a token (a string) or null"),
     ([*TRAIN, "tokenizer.eos=x"], "unknown key 'tokenizer.eos'"),
+    # numbers no setting can be (the fuzzers' leftovers): NaN, infinities, a norm epsilon of 0, a negative RoPE base
+    ([*TRAIN, "train.lr=.inf"], "train.lr: expected a finite number, got inf"),
+    ([*TRAIN, "train.max_minutes=.nan"], "train.max_minutes: expected a finite number, got nan"),
+    ([*TRAIN, "model.norm_eps=0"], "norm_eps must be in (0, 1), got 0"),
+    ([*TRAIN, "model.rope_base=-1"], "rope_base must be > 1 (the RoPE frequency base), got -1"),
     # server flags: checked before the model loads (no server starts)
     (["serve", "{lm}", "--request-timeout", "nan"], "--request-timeout must be a number of seconds in (0, 604800]"),
     (["serve", "{lm}", "--request-timeout", "-1"], "--request-timeout must be a number of seconds in (0, 604800]"),

@@ -32,6 +32,10 @@ def check_layer_options(config: Any) -> None:
     check(0 < config.mlp_ratio < math.inf, f"mlp_ratio must be a finite number > 0, got {config.mlp_ratio}")
     check(config.mlp_hidden_dim is None or config.mlp_hidden_dim >= 1,
           f"mlp_hidden_dim must be a positive integer or null, got {config.mlp_hidden_dim}")
+    norm_eps = getattr(config, "norm_eps", 1e-5)
+    check(0 < norm_eps < 1, f"norm_eps must be in (0, 1), got {norm_eps}")
+    rope_base = getattr(config, "rope_base", 10000.0)
+    check(rope_base > 1, f"rope_base must be > 1 (the RoPE frequency base), got {rope_base}")
     check_choice("norm", config.norm, NORMS)
     check_choice("norm_placement", config.norm_placement, BLOCKS)
     check_choice("mlp", config.mlp, MLPS)
