@@ -196,7 +196,8 @@ CLIENT_CPU: dict[str, float] = {}  # CPU seconds this benchmark's own clients us
 
 def start_server(command: list[str], checkpoint: Path, port: int, args: argparse.Namespace, log) -> subprocess.Popen:
     return subprocess.Popen([*command, "serve", str(checkpoint), "--host", "127.0.0.1", "--port", str(port),
-                             "--max-batch", str(args.max_batch), "--max-queue", str(max(64, args.clients))],
+                             "--max-batch", str(args.max_batch), "--max-queue", str(max(64, args.clients)),
+                             "--precision", args.precision],
                             stdout=log, stderr=subprocess.STDOUT)
 
 
@@ -247,6 +248,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128, help="max_tokens of every request (128)")
     parser.add_argument("--max-batch", type=int, default=16, help="the server's --max-batch (16)")
     parser.add_argument("--port", type=int, default=None, help="the server's port (default: a free one)")
+    parser.add_argument("--precision", choices=["auto", "fp32", "bf16"], default="fp32",
+                        help="the server's --precision (default fp32: batched greedy output equals sequential "
+                             "bit for bit; with bf16 a batch's rounding differs from one request's)")
     parser.add_argument("--ready-timeout", type=float, default=120.0, help="seconds to wait for /health (120)")
     parser.add_argument("--repeats", type=int, default=3,
                         help="run both phases this many times, alternating; report each phase's fastest run (3)")
