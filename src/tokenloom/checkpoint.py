@@ -13,7 +13,6 @@ moment ``checkpoint`` (or, mid-swap, ``checkpoint.old``) is complete.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from torch import nn
 
 from .config import load_yaml, save_yaml
 from .errors import CheckpointError, ConfigError
+from .files import sha256_file
 from .models.factory import create_model, model_config_from_dict
 
 CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, STATE_FILE = "config.yaml", "model.safetensors", "tokenizer.json", \
@@ -104,17 +104,9 @@ def write_checkpoint(directory: str | Path, model: nn.Module | None, config: dic
 CHECKSUM_FILE = "checksums.json"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def write_checksums(directory: Path) -> None:
     """``checksums.json``: the SHA-256 of every other file of the checkpoint in ``directory``."""
-    sums = {f.name: _sha256(f) for f in sorted(directory.iterdir()) if f.is_file() and f.name != CHECKSUM_FILE}
+    sums = {f.name: sha256_file(f) for f in sorted(directory.iterdir()) if f.is_file() and f.name != CHECKSUM_FILE}
     (directory / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1) + "\n", encoding="utf-8")
 
 
@@ -135,7 +127,7 @@ def checkpoint_damage(path: str | Path) -> str | None:
         if not (path / name).is_file():
             return f"{path / name} is missing"
         try:
-            digest = _sha256(path / name)
+            digest = sha256_file(path / name)
         except OSError as err:
             return f"{path / name} cannot be read ({err.strerror or err})"
         if digest != expected:

@@ -208,7 +208,7 @@ def test_crash_while_writing_leaves_no_stale_meta(tmp_path: Path, char_tok: Toke
     src, out = _small(tmp_path, "abc\n" * 100), tmp_path / "out"
     TextDataset.prepare(src, char_tok, out)
     src.write_text("cab\n" * 150)
-    real_write = text_module._write_atomic
+    real_write = text_module.write_atomic
     calls = []
 
     def crash_on_val(path: Path, write: object) -> None:
@@ -217,7 +217,7 @@ def test_crash_while_writing_leaves_no_stale_meta(tmp_path: Path, char_tok: Toke
             raise KeyboardInterrupt
         real_write(path, write)
 
-    monkeypatch.setattr(text_module, "_write_atomic", crash_on_val)
+    monkeypatch.setattr(text_module, "write_atomic", crash_on_val)
     with pytest.raises(KeyboardInterrupt):
         TextDataset.prepare(src, char_tok, out)
     assert calls == ["train.bin", "val.bin"]

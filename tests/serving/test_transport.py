@@ -251,12 +251,13 @@ def test_an_unexpected_exception_is_a_one_line_json_500(monkeypatch, capsys):
     from fastapi.testclient import TestClient
 
     import tokenloom.serving.app as app_module
+    import tokenloom.serving.routes.completions as completions_routes
     from tokenloom.checkpoint import load_model, load_tokenizer
 
     def broken(*_args):
         raise KeyError("a bug\nwith a second line")
 
-    monkeypatch.setattr(app_module, "check_model", broken)
+    monkeypatch.setattr(completions_routes, "check_model", broken)  # where the route looks it up
     app = app_module.create_app(load_model(SHAKES)[0], load_tokenizer(SHAKES),
                                 app_module.ServeConfig(model_name="shakes"))
     with TestClient(app, base_url="http://127.0.0.1", raise_server_exceptions=False) as client:

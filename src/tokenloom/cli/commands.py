@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import json
 import os
 import signal
@@ -18,36 +17,8 @@ import torch
 from ..checkpoint import load_model, load_tokenizer, read_config, resolve_checkpoint
 from ..errors import ConfigError, DataError, GenerationError, TrainingError
 from ..generation.config import offset_seed
-
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --precision -> the weights' dtype
-
-
-@functools.lru_cache(maxsize=8)
-def _inference_choice(precision: str, width: int):
-    from ..hardware import cache_dir, choose_inference_precision, remembered
-    from ..nn.fused import decode_bf16_speedup
-
-    kept = []
-
-    def speedup() -> float:
-        value, cached = remembered(f"decode bf16 speedup, width {width}", lambda: decode_bf16_speedup(width))
-        kept.append(cached)
-        return value
-
-    choice = choose_inference_precision(precision, speedup)
-    if choice.requested == "auto":
-        note = f" (measured on an earlier run, kept in {cache_dir() / 'measurements.json'})" if any(kept) else ""
-        print(choice.describe() + note, file=sys.stderr)
-    return choice
-
-
-def load_inference_model(checkpoint: str | Path, precision: str):
-    """(model in eval mode, config) like :func:`load_model`, its weights in ``--precision`` (auto | fp32 | bf16).
-    ``auto`` measures the decode step's kernels at the model's width, once per process and width
-    (:func:`tokenloom.hardware.choose_inference_precision`), and says on stderr what it picked and why."""
-    model, config = load_model(checkpoint)  # a missing or corrupt checkpoint fails before anything is measured
-    width = int((config.get("model") or {}).get("embed_dim") or 512)
-    return model.to(PRECISIONS[_inference_choice(precision, width).precision]), config
+from ..models.registry import decoding_of
+from .loading import load_inference_model, translation_model
 
 
 def train(args: argparse.Namespace) -> int:
@@ -411,16 +382,6 @@ def _write_output(out: Path, text: str) -> None:
         raise ConfigError(f"cannot write --output {out}: {err.strerror or err}") from None
 
 
-def _translation_model(checkpoint: str | Path, precision: str):
-    ckpt = resolve_checkpoint(checkpoint)
-    family = (read_config(ckpt).get("model") or {}).get("family", "gpt")
-    if family not in ("seq2seq", "nat"):
-        raise ConfigError(f"{ckpt} holds a {family!r} model; translation needs an encoder-decoder (family seq2seq "
-                          f"or nat)")
-    model, _ = load_inference_model(ckpt, precision)
-    return ckpt, model, load_tokenizer(ckpt)
-
-
 def decoding_options(args: argparse.Namespace, model, tokenizer, precision: str = "fp32") -> dict:
     """translate()'s keyword arguments from --beam / --iterations / --length-beam / --rescore; options of the
     other kind of model are one-line errors."""
@@ -432,11 +393,11 @@ def decoding_options(args: argparse.Namespace, model, tokenizer, precision: str 
     options = dict(iterations=getattr(args, "iterations", None), length_beam=getattr(args, "length_beam", None))
     rescore = getattr(args, "rescore", None)
     if rescore is not None:
-        _, options["rescorer"], rescore_tokenizer = _translation_model(rescore, precision)
-        if rescore_tokenizer.fingerprint != tokenizer.fingerprint or hasattr(options["rescorer"], "decode_parallel"):
+        _, options["rescorer"], rescore_tokenizer = translation_model(rescore, precision)
+        if rescore_tokenizer.fingerprint != tokenizer.fingerprint or decoding_of(options["rescorer"]) == "parallel":
             raise ConfigError(f"--rescore {rescore}: needs the autoregressive model whose tokenizer this model was "
                               "trained with (data.tokenizer_from)")
-    parallel = hasattr(model, "decode_parallel")
+    parallel = decoding_of(model) == "parallel"
     if not parallel:
         options["beam"] = 5 if beam is None else beam
     elif beam is not None:
@@ -463,7 +424,7 @@ def translate(args: argparse.Namespace) -> int:
     from ..tasks.translation import translate as run
 
     output = _output_file(args.output)
-    _, model, tokenizer = _translation_model(args.checkpoint, args.precision)
+    _, model, tokenizer = translation_model(args.checkpoint, args.precision)
     options = decoding_options(args, model, tokenizer, args.precision)
     lines = _read_lines(args.input)
     keep = [i for i, line in enumerate(lines) if line.strip()]
@@ -493,7 +454,7 @@ def _evaluate_translation(args: argparse.Namespace, ckpt: Path, config: dict) ->
     for name in metrics:  # an unknown metric name fails here, before any decoding
         METRICS.get(name)
     output = _output_file(args.output)
-    _, model, tokenizer = _translation_model(ckpt, args.precision)
+    _, model, tokenizer = translation_model(ckpt, args.precision)
     options = decoding_options(args, model, tokenizer, args.precision)
     if args.source is not None:
         sources, references, what = _read_lines(args.source), _read_lines(args.reference), args.source

@@ -18,7 +18,7 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise ConfigError(f"serving needs {err.name or 'fastapi and uvicorn'}: pip install 'tokenloom[serve]'") \
             from None
-    from .commands import load_inference_model
+    from .loading import load_inference_model
 
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")

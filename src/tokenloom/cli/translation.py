@@ -18,7 +18,9 @@ import torch
 from ..checkpoint import read_config
 from ..config import from_dict
 from ..errors import ConfigError
-from .commands import _translation_model, describe_decoding
+from ..models.registry import decoding_of
+from .commands import describe_decoding
+from .loading import translation_model
 
 
 def _data_config(config: dict):
@@ -37,8 +39,8 @@ def distill(args: argparse.Namespace) -> int:
     from ..data.parallel import read_parallel
     from ..tasks.translation import translate
 
-    ckpt, model, tokenizer = _translation_model(args.checkpoint, args.precision)
-    if hasattr(model, "decode_parallel"):
+    ckpt, model, tokenizer = translation_model(args.checkpoint, args.precision)
+    if decoding_of(model) == "parallel":
         raise ConfigError(f"{ckpt} is a non-autoregressive model; distill from an autoregressive teacher")
     if args.beam < 1:
         raise ConfigError(f"--beam must be >= 1, got {args.beam}")
@@ -128,7 +130,7 @@ def bench_translate(args: argparse.Namespace) -> int:
     for name in ("batch", "latency_sentences"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    models = [_translation_model(path, args.precision) for path in args.runs]
+    models = [translation_model(path, args.precision) for path in args.runs]
     sources = references = None
     for ckpt, _, _ in models:
         data = _data_config(read_config(ckpt))
@@ -141,7 +143,7 @@ def bench_translate(args: argparse.Namespace) -> int:
             if args.limit is not None:
                 pairs = pairs[:args.limit]
             sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
-    teacher, teacher_tokenizer = next(((m, t) for _, m, t in models if not hasattr(m, "decode_parallel")),
+    teacher, teacher_tokenizer = next(((m, t) for _, m, t in models if decoding_of(m) != "parallel"),
                                       (None, None))
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     latency_set = sources[:args.latency_sentences]

@@ -16,7 +16,7 @@ import torch
 
 from ..checkpoint import read_config, resolve_checkpoint
 from ..errors import ConfigError
-from .commands import load_inference_model
+from .loading import load_inference_model
 
 IMAGE_TASK = "image_classification"
 

@@ -45,7 +45,8 @@ import numpy as np
 import torch
 
 from ..errors import ConfigError, DataError, TokenizerError
-from .text import _sha256, _write_atomic, read_text
+from ..files import sha256_file, write_atomic
+from .text import read_text
 from .tokenizers import Tokenizer
 
 META_FILE = "parallel_meta.json"
@@ -432,7 +433,7 @@ def _read_meta(cache_dir: Path) -> dict[str, Any]:
 
 
 def _write_meta(cache_dir: Path, meta: dict[str, Any]) -> None:
-    _write_atomic(cache_dir / META_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
+    write_atomic(cache_dir / META_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
 
 
 def _stat(path: Path) -> dict[str, Any]:
@@ -451,7 +452,7 @@ def _reuse(cache_dir: Path, meta: dict[str, Any], name: str, files: dict[str, Pa
         old, new = entry.get("files", {}).get(side, {}), _stat(path)
         if all(old.get(k) == new[k] for k in ("path", "size", "mtime_ns")):
             new_stats[side] = {**new, "sha256": old.get("sha256")}
-        elif old.get("size") == new["size"] and old.get("sha256") == _sha256(path):
+        elif old.get("size") == new["size"] and old.get("sha256") == sha256_file(path):
             new_stats[side], restat = {**new, "sha256": old["sha256"]}, True  # same content, new path / mtime
         else:
             return None
@@ -484,7 +485,7 @@ def _encode_split(cache_dir: Path, meta: dict[str, Any], name: str, files: dict[
     meta["splits"].pop(name, None)  # arrays and meta never disagree
     _write_meta(cache_dir, meta)
     for key in _ARRAYS:
-        _write_atomic(cache_dir / f"{name}.{key}.npy", lambda tmp, arr=arrays[key]: _save_npy(tmp, arr))
+        write_atomic(cache_dir / f"{name}.{key}.npy", lambda tmp, arr=arrays[key]: _save_npy(tmp, arr))
     for side, path in files.items():
         stats[side]["sha256"] = data.digests[str(path)]
     entry = {**wanted, "files": stats, "num_pairs": len(data.lines), "num_tokens": num_tokens,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import numpy as np
 import torch
 
 from ..errors import DataError, TokenizerError
+from ..files import sha256_file, write_atomic
 from .tokenizers import Tokenizer
 
 META_FILE = "data_meta.json"
@@ -51,24 +51,6 @@ def read_text(path: str | Path) -> str:
         return raw.decode("utf-8")
     except UnicodeDecodeError as err:
         raise DataError(f"data file {path} is not UTF-8 text (bad byte at offset {err.start})") from None
-
-
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
-def _write_atomic(path: Path, write: Any) -> None:
-    """Call ``write(tmp_path)`` then rename the temporary file onto ``path``."""
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
 
 
 def _check_split(split: str) -> None:
@@ -122,7 +104,7 @@ class TextDataset:
             old_source = old.get("source", {})
             same_stat = all(old_source.get(k) == source[k] for k in ("path", "size", "mtime_ns"))
             if same_stat or (old_source.get("size") == source["size"]
-                             and old_source.get("sha256") == _sha256(text_path)):
+                             and old_source.get("sha256") == sha256_file(text_path)):
                 try:
                     dataset = cls(out_dir, old, reused=True)
                 except DataError:
@@ -147,7 +129,7 @@ class TextDataset:
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / META_FILE).unlink(missing_ok=True)  # bins and meta never disagree
         for split, part in parts.items():
-            _write_atomic(out_dir / f"{split}.bin", lambda tmp, p=part: p.astype(dtype).tofile(tmp))
+            write_atomic(out_dir / f"{split}.bin", lambda tmp, p=part: p.astype(dtype).tofile(tmp))
         meta = {**wanted, "dtype": dtype.name, "source": source,
                 "num_tokens": {split: int(len(part)) for split, part in parts.items()}}
         cls._write_meta(out_dir, meta)
@@ -174,7 +156,7 @@ class TextDataset:
 
     @staticmethod
     def _write_meta(out_dir: Path, meta: dict[str, Any]) -> None:
-        _write_atomic(out_dir / META_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
+        write_atomic(out_dir / META_FILE, lambda tmp: tmp.write_text(json.dumps(meta, indent=2) + "\n"))
 
     # ---- reading --------------------------------------------------------------------------------
 

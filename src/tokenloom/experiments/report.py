@@ -54,7 +54,7 @@ def group_table(results: list[dict[str, Any]], keys: list[str], metric: str,
     """Markdown: per swept key and value, ``metric`` over the runs (mean, std, min), the runs that diverged or
     failed and (with ``collapsed_above``) those that collapsed; then one row per combination of the swept keys
     with the seeds pooled."""
-    from .sweep import _value
+    from .sweep import swept_value
 
     varied = [k for k in keys if k != "train.seed"]
     collapse = f" | collapsed (> {collapsed_above:g})" if collapsed_above is not None else ""
@@ -72,8 +72,8 @@ def group_table(results: list[dict[str, Any]], keys: list[str], metric: str,
         lines += [f"### {metric} by {key}{note}", "",
                   f"| {key} | runs | diverged / failed{collapse} | mean | std | min |",
                   "|---|---|---|" + "---|" * bool(collapse) + "---|---|---|"]
-        for value in dict.fromkeys(_value(key, r) for r in results):
-            lines.append(f"| {value} | " + row([r for r in results if _value(key, r) == value]))
+        for value in dict.fromkeys(swept_value(key, r) for r in results):
+            lines.append(f"| {value} | " + row([r for r in results if swept_value(key, r) == value]))
         lines.append("")
     if len(varied) > 1 or (varied and "train.seed" in keys):
         lines += [f"### {metric} by run, seeds pooled{note}", "",
@@ -81,7 +81,7 @@ def group_table(results: list[dict[str, Any]], keys: list[str], metric: str,
                   "|" + "---|" * (len(varied) + 6 + bool(collapse))]
         cells: dict[tuple[str, ...], list[dict[str, Any]]] = {}
         for r in results:
-            cells.setdefault(tuple(_value(k, r) for k in varied), []).append(r)
+            cells.setdefault(tuple(swept_value(k, r) for k in varied), []).append(r)
         for cell, group in cells.items():
             seeds = " / ".join(f"{v:.4f}" if (v := _number(r.get("final", {}).get(metric))) is not None
                                else r.get("status", "?") for r in group)

@@ -317,7 +317,7 @@ def _columns(results: list[dict[str, Any]]) -> tuple[list[str], list[str]]:
     return final, best
 
 
-def _value(key: str, result: dict[str, Any]) -> Any:
+def swept_value(key: str, result: dict[str, Any]) -> Any:
     """A swept key's value in a run (from its overrides list)."""
     for item in result.get("overrides", []):
         k, _, v = item.partition("=")
@@ -332,7 +332,7 @@ def write_tables(out: Path, results: list[dict[str, Any]], keys: list[str]) -> t
     header = ["run", *keys, "status", *final, *(f"best_{k}" for k in best), "seconds", "params"]
     rows = []
     for r in results:
-        rows.append([r["name"], *(_value(k, r) for k in keys), r.get("status", ""),
+        rows.append([r["name"], *(swept_value(k, r) for k in keys), r.get("status", ""),
                      *(r.get("final", {}).get(k, "") for k in final), *(r.get("best", {}).get(k, "") for k in best),
                      round(r["seconds"]) if isinstance(r.get("seconds"), float) else "", r.get("params", "")])
     with open(out / "results.csv", "w", newline="") as fh:

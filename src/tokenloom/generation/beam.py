@@ -60,7 +60,7 @@ from torch.nn import functional as F
 from ..errors import GenerationError
 from ..nn.modes import enter_eval, restore_training
 from .config import GenerationConfig
-from .generate import Tokenizer, _Decoding
+from .requests import Tokenizer, check_attention_mask
 
 
 class BeamOutput(NamedTuple):
@@ -86,6 +86,24 @@ def _check_memory(model: nn.Module, B: int, N: int, T: int, n: int) -> None:
                           (f"hypotheses (3 x {B * N} x {n} token ids)", 3 * 8 * B * N * n)])
 
 
+def _beam_rows(input_ids: Tensor, mask: Tensor | None, N: int, n: int
+               ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """The prompt (B, T) with padding replaced by a stand-in (the row's first token), the positions and the mask
+    of every beam row (BN, T + n; row b*N + k is beam k of prompt b), and each prompt's real length (B,)."""
+    B, T = input_ids.shape
+    device = input_ids.device
+    if mask is None:
+        positions = torch.arange(T + n, device=device).expand(B * N, -1).contiguous()  # (BN, T + n)
+        return input_ids, positions, None, torch.full((B,), T, device=device)
+    real_len = mask.sum(-1)  # (B,)
+    first = input_ids.gather(1, (T - real_len)[:, None])
+    prompt = torch.where(mask.bool(), input_ids, first)
+    positions = torch.cat(((mask.cumsum(-1) - 1).clamp(min=0), real_len[:, None] + torch.arange(n, device=device)),
+                          dim=1).repeat_interleave(N, dim=0)  # (BN, T + n)
+    full_mask = torch.cat((mask, mask.new_ones(B, n)), dim=1).repeat_interleave(N, dim=0)  # (BN, T + n)
+    return prompt, positions, full_mask, real_len
+
+
 def beam_search(model: nn.Module, input_ids: Tensor, config: GenerationConfig,
                 attention_mask: Tensor | None = None, tokenizer: Tokenizer | None = None) -> BeamOutput:
     """(B, T) prompt ids (left-padded, with ``attention_mask``, when of different lengths) -> the
@@ -100,19 +118,7 @@ def beam_search(model: nn.Module, input_ids: Tensor, config: GenerationConfig,
     _check_memory(model, B, N, T, n)
     eos, pad, lp = config.eos_token_id, config.pad_token_id, float(config.length_penalty)
 
-    # the prompt, once per beam (row b*N + k is beam k of prompt b)
-    if mask is None:
-        prompt = input_ids
-        positions = torch.arange(T + n, device=device).expand(BN, -1).contiguous()  # (BN, T + n)
-        full_mask = None
-        real_len = torch.full((B,), T, device=device)
-    else:
-        real_len = mask.sum(-1)  # (B,)
-        first = input_ids.gather(1, (T - real_len)[:, None])  # padding takes a stand-in: the row's first token
-        prompt = torch.where(mask.bool(), input_ids, first)
-        positions = torch.cat(((mask.cumsum(-1) - 1).clamp(min=0), real_len[:, None] + torch.arange(n, device=device)),
-                              dim=1).repeat_interleave(N, dim=0)  # (BN, T + n)
-        full_mask = torch.cat((mask, mask.new_ones(B, n)), dim=1).repeat_interleave(N, dim=0)  # (BN, T + n)
+    prompt, positions, full_mask, real_len = _beam_rows(input_ids, mask, N, n)
     bans = _NoRepeatNGram(config.no_repeat_ngram_size, prompt, real_len, N) if config.no_repeat_ngram_size else None
     known = getattr(tokenizer, "vocab_size", None)
     vocab_limit = known if isinstance(known, int) and known < vocab else None
@@ -311,7 +317,7 @@ def _check_request(model: nn.Module, input_ids: Tensor, config: GenerationConfig
     if B == 0 or T == 0:
         raise GenerationError(f"empty prompt: input_ids has shape {tuple(input_ids.shape)}; give at least "
                               "one token per row")
-    mask = _Decoding._check_mask(input_ids, attention_mask)
+    mask = check_attention_mask(input_ids, attention_mask)
     vocab, context = model.config.vocab_size, model.config.max_seq_len
     real = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
     bad = input_ids[real & ((input_ids < 0) | (input_ids >= vocab))].unique()

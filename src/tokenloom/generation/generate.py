@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterator
-from typing import Protocol
 
 import torch
 from torch import Tensor, nn
@@ -38,10 +37,7 @@ from ..nn.modes import enter_eval, restore_training
 from .compiled import StaticDecodeStep, StaticKVCache, static_cache_length, why_not_compiled
 from .config import GenerationConfig
 from .processors import create_processors
-
-
-class Tokenizer(Protocol):
-    def decode(self, ids: list[int]) -> str: ...
+from .requests import Tokenizer, check_attention_mask
 
 
 def generate(model: nn.Module, input_ids: Tensor, config: GenerationConfig | None = None,
@@ -92,7 +88,7 @@ class _Decoding:
         if config.stop_strings and tokenizer is None:
             raise GenerationError("stop_strings need a tokenizer (an object with .decode(ids) -> str) to "
                                   "read the generated text")
-        mask = self._check_mask(input_ids, attention_mask)
+        mask = check_attention_mask(input_ids, attention_mask)
         model_config = getattr(model, "config", None)
         real = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
         vocab = getattr(model_config, "vocab_size", None)
@@ -133,27 +129,6 @@ class _Decoding:
         self.generator = None
         if not config.greedy and config.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(config.seed)
-
-    @staticmethod
-    def _check_mask(input_ids: Tensor, attention_mask: Tensor | None) -> Tensor | None:
-        """The (B, T) 0/1 mask as long, or None when there is no padding; rejects right padding."""
-        if attention_mask is None:
-            return None
-        if attention_mask.shape != input_ids.shape:
-            raise GenerationError(f"attention_mask has shape {tuple(attention_mask.shape)} but input_ids has "
-                                  f"{tuple(input_ids.shape)}")
-        mask = attention_mask.long()
-        if ((mask != 0) & (mask != 1)).any():
-            raise GenerationError("attention_mask must hold only 0 (padding) and 1 (token)")
-        if mask.all():
-            return None
-        if (mask[:, 1:] < mask[:, :-1]).any():
-            raise GenerationError("attention_mask must be left-padded (padding first, then the prompt); "
-                                  "a row has padding after a token")
-        empty = (mask.sum(-1) == 0).nonzero().flatten().tolist()
-        if empty:
-            raise GenerationError(f"empty prompt: row(s) {empty} of attention_mask are all padding")
-        return mask
 
     def __iter__(self) -> Iterator[Tensor]:
         model, config, sequences = self.model, self.config, self.sequences

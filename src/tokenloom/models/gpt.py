@@ -33,7 +33,7 @@ from ..nn.fused import decode_linear
 from ..nn.masks import additive_mask, causal_mask, padding_mask, positions_from_mask
 from ..nn.positions import Position
 from .options import attention_options, check_block_options, from_preset
-from .registry import MODELS
+from .registry import MODELS, declare_decoding
 
 
 @dataclass
@@ -90,6 +90,7 @@ GPT_PRESETS: dict[str, dict] = {
 }
 
 
+@declare_decoding("causal_lm")
 class GPT(nn.Module):
     """Token embedding (+ positions) -> L blocks -> final norm -> vocabulary logits."""
 

@@ -33,8 +33,9 @@ from torch.nn import functional as F
 from ..config import check
 from ..errors import GenerationError
 from ..nn.block import plain_eval
-from .registry import MODELS
-from .seq2seq import EncoderDecoder, Seq2SeqConfig, _additive_mask
+from ..nn.masks import padding_additive_mask
+from .registry import MODELS, declare_decoding
+from .seq2seq import EncoderDecoder, Seq2SeqConfig
 
 NAT_KINDS = ("nat", "cmlm", "ctc")
 DECODER_INPUTS = ("copy", "position")
@@ -99,6 +100,7 @@ class NATConfig(Seq2SeqConfig):
         return sorted({self.pad_id, self.bos_id, self.eos_id, *extra} - {keep})
 
 
+@declare_decoding("parallel")
 class NonAutoregressiveTransformer(EncoderDecoder):
     """The encoder-decoder with a bidirectional decoder, a length predictor and NAT / CMLM / CTC inputs."""
 
@@ -201,8 +203,8 @@ class NonAutoregressiveTransformer(EncoderDecoder):
             x = x + added
         x = self.embed_dropout(x)
         dtype = self._mask_dtype(x)
-        self_mask = None if bool(target_mask.all()) else _additive_mask(target_mask, dtype)
-        memory_mask = None if bool(source_mask.all()) else _additive_mask(source_mask, dtype)
+        self_mask = None if bool(target_mask.all()) else padding_additive_mask(target_mask, dtype)
+        memory_mask = None if bool(source_mask.all()) else padding_additive_mask(source_mask, dtype)
         rope = self.tgt_position.rotary(positions)
         if plain_eval(self.decoder):
             for i, block in enumerate(self.decoder):

@@ -1,8 +1,51 @@
-"""``MODELS``: model families by name (``gpt``, later ``seq2seq``, ``vit``, ...), each a (config class,
-model class) pair so a checkpoint's ``config.yaml`` can name its family."""
+"""``MODELS``: model families by name (``gpt``, ``seq2seq``, ``nat``, ``vit``, ``swin``), each a (config class,
+model class) pair so a checkpoint's ``config.yaml`` can name its family.
+
+``DECODERS``: how a model class decodes, declared once where the class is defined and never probed with
+``hasattr``: ``causal_lm`` (one token at a time from a prompt: generate, beam search, the serving engine),
+``encoder_decoder`` (autoregressive over an encoded source: translate, beam search) and ``parallel`` (all target
+positions at once: NAT, Mask-Predict, CTC). Classes that cannot decode (image classifiers) declare nothing::
+
+    @declare_decoding("causal_lm")
+    class GPT(nn.Module): ...
+
+    decoding_of(model)  # "causal_lm"; a subclass inherits its base's kind unless it declares its own
+"""
 
 from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
 
 from ..registry import Registry
 
 MODELS: Registry[tuple[type, type]] = Registry("model")
+
+DECODERS: Registry[str] = Registry("decoding kind")  # kind -> what it means
+DECODERS.register("causal_lm")("one token at a time after a prompt (generate, beam search, the serving engine)")
+DECODERS.register("encoder_decoder")("autoregressive over an encoded source (translate, beam search)")
+DECODERS.register("parallel")("every target position at once (NAT, Mask-Predict, CTC)")
+_DECLARED: dict[type, str] = {}  # model class -> its kind
+
+M = TypeVar("M", bound=type)
+
+
+def declare_decoding(kind: str) -> Callable[[M], M]:
+    """Class decorator: ``cls`` (and its subclasses, unless they declare their own) decodes as ``kind``."""
+    DECODERS.get(kind)  # an unknown kind: its one-line error, at import
+
+    def deco(cls: M) -> M:
+        _DECLARED[cls] = kind
+        return cls
+
+    return deco
+
+
+def decoding_of(model_or_class: object) -> str | None:
+    """The decoding kind of a model (instance or class): the nearest declaration along its MRO, or None for a
+    model that does not decode."""
+    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    for base in cls.__mro__:
+        if base in _DECLARED:
+            return _DECLARED[base]
+    return None

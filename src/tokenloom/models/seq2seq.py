@@ -41,10 +41,10 @@ from ..nn import POSITIONS, KVCache, create_block, create_norm
 from ..nn.block import DecodePlan, has_forward_hooks, inference_function, plain_eval
 from ..nn.dropout import Dropout
 from ..nn.fused import decode_linear
-from ..nn.masks import additive_mask, causal_mask, padding_mask
+from ..nn.masks import additive_mask, causal_mask, padding_additive_mask
 from ..nn.positions import Position
 from .options import attention_options, check_block_options
-from .registry import MODELS
+from .registry import MODELS, declare_decoding
 
 
 @dataclass
@@ -100,11 +100,7 @@ class Seq2SeqConfig:
         return self.max_target_len
 
 
-def _additive_mask(source_mask: Tensor, dtype: torch.dtype) -> Tensor:
-    """(B, S) 1 = token, 0 = padding -> (B, 1, 1, S) additive mask (0 / the dtype's minimum)."""
-    return additive_mask(padding_mask(source_mask), dtype)
-
-
+@declare_decoding("encoder_decoder")
 class EncoderDecoder(nn.Module):
     """Source embedding -> encoder blocks -> memory; target embedding -> decoder blocks (self-attention,
     cross-attention, MLP) -> vocabulary logits."""
@@ -179,7 +175,7 @@ class EncoderDecoder(nn.Module):
         positions = torch.arange(S, device=source.device)[None].expand(B, S)
         x = self._embed(source, self.src_embed, self.src_position, positions)
         mask = None if source_mask is None or bool(source_mask.all()) else \
-            _additive_mask(source_mask, self._mask_dtype(x))
+            padding_additive_mask(source_mask, self._mask_dtype(x))
         if self._position_bias:  # alibi / t5: a score bias over both directions
             index = torch.arange(S, device=source.device)
             bias = self.src_position.bias(index, index)
@@ -222,7 +218,7 @@ class EncoderDecoder(nn.Module):
             memory_mask = cache.memory_mask
         else:
             memory_mask = None if source_mask is None or bool(source_mask.all()) else \
-                _additive_mask(source_mask, dtype)
+                padding_additive_mask(source_mask, dtype)
         attn_mask, is_causal = self._self_attention_mask(T, past, target.device, dtype)
         if cache is None and plain_eval(self.decoder):  # teacher forcing in eval mode (validation, rescoring)
             for block in self.decoder:
@@ -381,7 +377,7 @@ class Seq2SeqDecoder:
         with torch.inference_mode():
             memory_kv = [block.cross_attn.memory_kv(memory) for block in self.model.decoder]
             mask = None if self.source_mask is None or bool(self.source_mask.all()) else \
-                _additive_mask(self.source_mask, memory.dtype)
+                padding_additive_mask(self.source_mask, memory.dtype)
         return Seq2SeqCache(c.decoder_layers, batch_size, c.num_kv_heads or c.num_heads, max_len or c.max_target_len,
                             c.head_dim, dtype=dtype or memory.dtype, device=device or memory.device,
                             memory_kv=memory_kv, memory_mask=mask, group=batch_size // Bm)

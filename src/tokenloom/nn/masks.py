@@ -49,3 +49,9 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     """A bool mask (True = may attend) as an additive float mask: 0 where allowed, the dtype's minimum
     elsewhere (finite, so a fully masked row gives a uniform softmax rather than NaN)."""
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
+
+
+def padding_additive_mask(attention_mask: Tensor, dtype: torch.dtype) -> Tensor:
+    """(B, S) 1 = token, 0 = padding -> (B, 1, 1, S) additive mask (0 / the dtype's minimum): the keys' padding
+    for any query, as the encoder-decoder and NAT models use it."""
+    return additive_mask(padding_mask(attention_mask), dtype)

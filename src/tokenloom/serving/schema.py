@@ -1,10 +1,10 @@
 """The OpenAPI description of the server's routes (published at ``/openapi.json``): JSON Schemas of the request
 bodies with the ranges the handlers check, and of the replies. The handlers read and check their bodies
-themselves (:mod:`tokenloom.serving.app`), so FastAPI knows nothing of them; the schemas here are written to
-match those checks, and ``tests/serving/test_fuzz_server.py`` runs schemathesis against a live server to hold
-them to it: a body the schema allows gets 200 unless a check the schema cannot state refuses it (prompts x n over
-the limit, a prompt longer than the context once tokenized, a temperature below the smallest float32), and a
-body the schema refuses gets a 4xx.
+themselves (:mod:`tokenloom.serving.routes` with :mod:`tokenloom.serving.checks`), so FastAPI knows nothing of
+them; the schemas here are written to match those checks, and ``tests/serving/test_fuzz_server.py`` runs
+schemathesis against a live server to hold them to it: a body the schema allows gets 200 unless a check the schema
+cannot state refuses it (prompts x n over the limit, a prompt longer than the context once tokenized, a temperature
+below the smallest float32), and a body the schema refuses gets a 4xx.
 
 For a character tokenizer the text fields name the vocabulary as a ``pattern`` and the context as
 ``maxLength`` (one token per character); other tokenizers accept any text.

@@ -28,7 +28,7 @@ from ..data.parallel import ParallelBatch, ParallelDataset, read_parallel
 from ..data.tokenizers import TRANSLATION_EOS_TOKEN, Tokenizer
 from ..errors import ConfigError, DataError, GenerationError
 from ..models.factory import create_model, model_config_from_dict
-from ..models.registry import MODELS
+from ..models.registry import MODELS, decoding_of
 from .losses import cross_entropy
 from .registry import TASKS, Sharded
 
@@ -113,7 +113,7 @@ class TranslationTask(Sharded):
                    "max_target_len": max(model_section.get("max_target_len", 0), data.max_target_len)}
         family, model_config = model_config_from_dict(section)
         model_cls = MODELS.get(family)[1]
-        if not hasattr(model_cls, "decoder_for") or hasattr(model_cls, "decode_parallel"):
+        if decoding_of(model_cls) != "encoder_decoder":
             raise ConfigError(f"task 'translation' needs an autoregressive encoder-decoder model (family seq2seq), "
                               f"got {family!r}" + (" (train it with task nat_translation)" if family == "nat" else ""))
         model = create_model(family, model_config)
@@ -298,10 +298,10 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
     from ..generation.nat import nat_decode
     from ..nn.modes import eval_mode
 
-    if not hasattr(model, "decoder_for"):
+    if decoding_of(model) not in ("encoder_decoder", "parallel"):
         raise ConfigError(f"translation needs an encoder-decoder model, got {type(model).__name__}")
     c = model.config
-    parallel = hasattr(model, "decode_parallel")
+    parallel = decoding_of(model) == "parallel"
     parallel_options = check_decoding_options(model, beam=beam, iterations=iterations, length_beam=length_beam,
                                               rescorer=rescorer)
     ids = special_ids(tokenizer)

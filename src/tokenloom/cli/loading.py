@@ -1,0 +1,55 @@
+"""Loading a checkpoint to run it from the command line: the weights in ``--precision`` (auto | fp32 | bf16),
+chosen once per process and width, and the family checks of the commands that need one kind of model."""
+
+from __future__ import annotations
+
+import functools
+import sys
+from pathlib import Path
+
+import torch
+
+from ..checkpoint import load_model, load_tokenizer, read_config, resolve_checkpoint
+from ..errors import ConfigError
+
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --precision -> the weights' dtype
+
+
+@functools.lru_cache(maxsize=8)
+def _inference_choice(precision: str, width: int):
+    from ..hardware import cache_dir, choose_inference_precision, remembered
+    from ..nn.fused import decode_bf16_speedup
+
+    kept = []
+
+    def speedup() -> float:
+        value, cached = remembered(f"decode bf16 speedup, width {width}", lambda: decode_bf16_speedup(width))
+        kept.append(cached)
+        return value
+
+    choice = choose_inference_precision(precision, speedup)
+    if choice.requested == "auto":
+        note = f" (measured on an earlier run, kept in {cache_dir() / 'measurements.json'})" if any(kept) else ""
+        print(choice.describe() + note, file=sys.stderr)
+    return choice
+
+
+def load_inference_model(checkpoint: str | Path, precision: str):
+    """(model in eval mode, config) like :func:`load_model`, its weights in ``--precision`` (auto | fp32 | bf16).
+    ``auto`` measures the decode step's kernels at the model's width, once per process and width
+    (:func:`tokenloom.hardware.choose_inference_precision`), and says on stderr what it picked and why."""
+    model, config = load_model(checkpoint)  # a missing or corrupt checkpoint fails before anything is measured
+    width = int((config.get("model") or {}).get("embed_dim") or 512)
+    return model.to(PRECISIONS[_inference_choice(precision, width).precision]), config
+
+
+def translation_model(checkpoint: str | Path, precision: str):
+    """(checkpoint directory, model, tokenizer) of an encoder-decoder or NAT checkpoint; a one-line error for
+    another family."""
+    ckpt = resolve_checkpoint(checkpoint)
+    family = (read_config(ckpt).get("model") or {}).get("family", "gpt")
+    if family not in ("seq2seq", "nat"):
+        raise ConfigError(f"{ckpt} holds a {family!r} model; translation needs an encoder-decoder (family seq2seq "
+                          f"or nat)")
+    model, _ = load_inference_model(ckpt, precision)
+    return ckpt, model, load_tokenizer(ckpt)

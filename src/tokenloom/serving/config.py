@@ -1,0 +1,38 @@
+"""The server's limits and settings: :class:`ServeConfig` (the ``tokenloom serve`` flags), checked on creation."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..errors import ConfigError
+from .security import HostPolicy, check_api_key, check_cors_origins
+
+
+@dataclass
+class ServeConfig:
+    """Server limits and settings (``tokenloom serve`` flags)."""
+
+    model_name: str
+    api_key: str | None = None
+    max_batch: int = 16
+    max_queue: int = 64
+    max_tokens: int = 1024  # the largest max_tokens a request may ask for
+    max_body_bytes: int = 1 << 20
+    max_prompts: int = 32  # prompts x n per request
+    request_timeout: float = 300.0  # seconds
+    # browser safety (tokenloom.serving.security): the address bound, extra Host names (``*``: any), CORS origins
+    host: str = "127.0.0.1"
+    allowed_hosts: tuple[str, ...] = ()
+    cors_origins: tuple[str, ...] = ()  # empty: CORS off
+
+    def __post_init__(self) -> None:
+        for name in ("max_batch", "max_queue", "max_tokens", "max_body_bytes", "max_prompts"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)}")
+        if not (isinstance(self.request_timeout, (int, float)) and 0 < self.request_timeout <= 86400 * 7):
+            raise ConfigError(f"--request-timeout must be a number of seconds in (0, 604800], got "
+                              f"{self.request_timeout}")  # NaN fails the comparison too
+        self.host_policy = HostPolicy.create(self.host, self.allowed_hosts)  # a ConfigError for a bad entry
+        self.cors_origins = check_cors_origins(self.cors_origins)
+        if self.api_key is not None:
+            check_api_key(self.api_key)

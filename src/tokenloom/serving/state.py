@@ -1,0 +1,81 @@
+"""What the routes, the middleware and the exception handlers of one app share: :class:`ServerState`, created by
+:func:`~tokenloom.serving.app.create_app` and kept at ``app.state.server`` (:func:`server_state` reads it back)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import Request as HTTPRequest
+from fastapi.responses import JSONResponse
+
+from ..models.registry import decoding_of
+from .checks import APIError
+from .config import ServeConfig
+from .engine import Engine
+from .metrics import Metrics
+from .security import check_api_key
+
+
+@dataclass(eq=False)
+class ServerState:
+    """The served model and tokenizer, the settings, the metrics, the engine (language models only; ``None`` for a
+    translation model) and the lock that runs one translation batch at a time."""
+
+    model: Any
+    tokenizer: Any
+    config: ServeConfig
+    metrics: Metrics = field(default_factory=Metrics)
+    is_lm: bool = False
+    engine: Engine | None = None
+    translate_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    api_key: bytes | None = None  # the key's UTF-8 bytes, None: no key asked for
+    post_paths: set[str] = field(default_factory=set)  # the routes that take a POST body (filled at the first request)
+    loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app (set by the lifespan)
+
+    @classmethod
+    def create(cls, model, tokenizer, config: ServeConfig) -> ServerState:
+        state = cls(model, tokenizer, config, is_lm=decoding_of(model) == "causal_lm")
+        if state.is_lm:
+            state.engine = Engine(model, tokenizer, config.max_batch, config.max_queue, on_step=state.metrics.on_step,
+                                  dispatch=state.dispatch)
+        state.api_key = check_api_key(config.api_key) if config.api_key is not None else None
+        return state
+
+    def dispatch(self, events: list) -> None:  # engine thread: one wake-up of the event loop per step
+        self.loop.call_soon_threadsafe(_deliver_all, events)
+
+    @asynccontextmanager
+    async def lifespan(self, _app) -> AsyncIterator[None]:
+        if self.loop is None:  # the first loop that serves the app stays the engine's
+            self.loop = asyncio.get_running_loop()
+        if self.engine is not None:
+            self.engine.start()
+        yield
+        if self.engine is not None:
+            self.engine.stop()
+
+    def error_response(self, status: int, message: str, code: str) -> JSONResponse:
+        """An error reply written outside a route (the middleware), counted like the ones routes raise."""
+        self.metrics.count_error(status)
+        return JSONResponse(APIError(status, message, code=code).body(), status_code=status)
+
+    def wrong_host(self, host: str) -> JSONResponse:
+        """The reply to a request whose ``Host`` the server does not answer (:class:`~.security.HostGuard`)."""
+        shown = host if len(host) <= 80 else host[:80] + "..."
+        return self.error_response(400, f"the Host header {shown!r} is not one this server answers (a page on "
+                                        "another site, or DNS rebinding); start it with --allowed-hosts NAME to "
+                                        "serve that name", code="host_not_allowed")
+
+
+def server_state(request: HTTPRequest) -> ServerState:
+    """The :class:`ServerState` of the app serving ``request``."""
+    return request.app.state.server
+
+
+def _deliver_all(events: list) -> None:
+    for emit, event in events:
+        emit(event)
