@@ -3,9 +3,6 @@ concurrent requests, bad input answered with the right status and OpenAI-shaped 
 mid-stream, /metrics, translations, and the playground in headless Chromium."""
 
 import json
-import socket
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -16,44 +13,14 @@ pytest.importorskip("fastapi", reason="the serve extra (fastapi, uvicorn) is not
 httpx = pytest.importorskip("httpx", reason="the serve-test extra (httpx, openai) is not installed")
 openai = pytest.importorskip("openai", reason="the serve-test extra (httpx, openai) is not installed")
 
+from tests.serving.live import LiveServer as Server  # noqa: E402 - after the extras are known to be there
+
 REPO = Path(__file__).resolve().parents[2]
 SHAKES = REPO / "checkpoints" / "shakespeare-char"
 DE_EN = REPO / "checkpoints" / "multi30k-de-en"
 KEY = "test-key-123"
 PROMPTS = ["ROMEO:", "JULIET:\nO", "First Citizen:\n", "KING HENRY", "Good morrow", "To be, or not",
            "MERCUTIO:\nNay", "What light"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-class Server:
-    def __init__(self, checkpoint: Path, *extra: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.process = subprocess.Popen([sys.executable, "-m", "tokenloom.cli.main", "serve", str(checkpoint),
-                                         "--port", str(self.port), *extra],
-                                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            if self.process.poll() is not None:
-                raise RuntimeError(f"the server exited: {self.process.stdout.read()}")
-            try:
-                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        raise RuntimeError("the server did not start within 120 s")
-
-    def stop(self) -> None:
-        self.process.terminate()
-        try:
-            self.process.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            self.process.kill()
 
 
 @pytest.fixture(scope="module")

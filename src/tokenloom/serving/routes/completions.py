@@ -52,17 +52,8 @@ async def completions(request: HTTPRequest):
         raise APIError(400, f"{len(prompts)} prompts x n={settings['n']} exceeds the server's limit of "
                             f"{config.max_prompts} completions per request", param="n", code="invalid_value")
     jobs = make_requests(state, prompts, settings, "prompt")
-    started = await submit(state, jobs, settings)
-    state.metrics.count_request("completions")
-    rid, created = f"cmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    chunk = partial(completion_chunk, rid, created, config.model_name)
-    if settings["stream"]:
-        return StreamingResponse(state.metrics.timed(stream(started, chunk, settings["include_usage"]), started),
-                                 media_type="text/event-stream")
-    results = await state.metrics.timed_collect(while_connected(request, collect(started), started), started)
-    return {"id": rid, "object": "text_completion", "created": created, "model": config.model_name,
-            "choices": [{"index": i, "text": t, "logprobs": None, "finish_reason": f}
-                        for i, t, f in sorted(results)], "usage": usage(started)}
+    return await reply(request, state, jobs, settings, "completions", "cmpl", "text_completion", completion_chunk,
+                       lambda i, t, f: {"index": i, "text": t, "logprobs": None, "finish_reason": f})
 
 
 async def chat(request: HTTPRequest):
@@ -81,17 +72,26 @@ async def chat(request: HTTPRequest):
     settings["max_tokens"] = min(settings["max_tokens"], max(1, state.model.config.max_seq_len - len(
         encode(state, prompt, "messages")) - 1))
     jobs = make_requests(state, [prompt], settings, "messages")
+    return await reply(request, state, jobs, settings, "chat", "chatcmpl", "chat.completion", chat_chunk,
+                       lambda i, t, f: {"index": i, "message": {"role": "assistant", "content": t},
+                                        "finish_reason": f})
+
+
+async def reply(request: HTTPRequest, state: ServerState, jobs, settings: dict, route: str, id_prefix: str,
+                object_name: str, chunk_builder, choice):
+    """Run the jobs on the engine and answer: server-sent events (``chunk_builder(id, created, model, index, text,
+    finish)`` per delta) when the request streams, else one reply of ``choice(index, text, finish)`` per choice."""
+    config = state.config
     started = await submit(state, jobs, settings)
-    state.metrics.count_request("chat")
-    rid, created = f"chatcmpl-{uuid.uuid4().hex[:24]}", int(time.time())
-    chunk = partial(chat_chunk, rid, created, config.model_name)
+    state.metrics.count_request(route)
+    rid, created = f"{id_prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
+    chunk = partial(chunk_builder, rid, created, config.model_name)
     if settings["stream"]:
         return StreamingResponse(state.metrics.timed(stream(started, chunk, settings["include_usage"]), started),
                                  media_type="text/event-stream")
     results = await state.metrics.timed_collect(while_connected(request, collect(started), started), started)
-    return {"id": rid, "object": "chat.completion", "created": created, "model": config.model_name,
-            "choices": [{"index": i, "message": {"role": "assistant", "content": t}, "finish_reason": f}
-                        for i, t, f in sorted(results)], "usage": usage(started)}
+    return {"id": rid, "object": object_name, "created": created, "model": config.model_name,
+            "choices": [choice(i, t, f) for i, t, f in sorted(results)], "usage": usage(started)}
 
 
 def completion_chunk(rid: str, created: int, model_name: str, index: int, text: str, finish: str | None) -> dict:
