@@ -59,6 +59,7 @@ from torch.nn import functional as F
 
 from ..errors import GenerationError
 from ..nn.modes import enter_eval, restore_training
+from .choose import vocabulary_limit
 from .config import GenerationConfig
 from .requests import Tokenizer, check_attention_mask
 
@@ -120,8 +121,7 @@ def beam_search(model: nn.Module, input_ids: Tensor, config: GenerationConfig,
 
     prompt, positions, full_mask, real_len = _beam_rows(input_ids, mask, N, n)
     bans = _NoRepeatNGram(config.no_repeat_ngram_size, prompt, real_len, N) if config.no_repeat_ngram_size else None
-    known = getattr(tokenizer, "vocab_size", None)
-    vocab_limit = known if isinstance(known, int) and known < vocab else None
+    vocab_limit = vocabulary_limit(tokenizer, vocab)
 
     # live beams: scores (B, N), new tokens (B, N, n); finished hypotheses: the same plus lengths, raw sums.
     # These hold the prompts still decoding (``active``: their indices in the batch); a prompt that closes

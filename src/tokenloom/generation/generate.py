@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from ..errors import GenerationError
 from ..nn.modes import enter_eval, restore_training
+from .choose import choose_next, limit_vocabulary, vocabulary_limit
 from .compiled import StaticDecodeStep, StaticKVCache, static_cache_length, why_not_compiled
 from .config import GenerationConfig
 from .processors import create_processors
@@ -124,8 +125,7 @@ class _Decoding:
         self.yielded = self.sequences[:, T:].unbind(1)  # n x (B,)
         self.processors = create_processors(config)
         # a model whose vocabulary is padded past its tokenizer's (common in imports) never emits those ids
-        known = getattr(tokenizer, "vocab_size", None)
-        self.vocab_limit = known if isinstance(known, int) and vocab is not None and known < vocab else None
+        self.vocab_limit = vocabulary_limit(tokenizer, vocab)
         self.generator = None
         if not config.greedy and config.seed is not None:
             self.generator = torch.Generator(device=device).manual_seed(config.seed)
@@ -169,18 +169,11 @@ class _Decoding:
                         logits = model(tokens, positions=step_pos, attention_mask=mask, cache=cache)  # (A, T|1, V)
                         if t and static is not None:  # its compilation failed: eager from now on
                             static = None
-                    scores = logits[:, -1]  # (A, V)
-                    if scores.dtype != torch.float32:
-                        scores = scores.float()
-                    if self.vocab_limit is not None:  # before the processors: top-k/top-p choose among these
-                        scores[:, self.vocab_limit:] = float("-inf")
+                    scores = limit_vocabulary(logits[:, -1], self.vocab_limit)  # (A, V) float32
+                    history = None
                     if processors:
-                        history = sequences[:, :T + t]
-                        scores = processors(history if rows is None else history[rows], scores)
-                    if greedy:
-                        tokens = scores.argmax(-1, keepdim=True)  # (A, 1)
-                    else:
-                        tokens = torch.multinomial(scores.softmax(-1), 1, generator=generator)  # (A, 1)
+                        history = sequences[:, :T + t] if rows is None else sequences[:, :T + t][rows]
+                    tokens = choose_next(scores, history, processors, greedy, generator)  # (A, 1)
                     if rows is not None:
                         columns[t].fill_(pad)
                         columns[t][rows] = tokens.masked_fill(finished[rows], pad)

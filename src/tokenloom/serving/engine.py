@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from ..errors import ConfigError
+from ..generation.choose import choose_next, limit_vocabulary, vocabulary_limit
 from ..generation.config import GenerationConfig
 from ..generation.processors import create_processors
 from ..models.sizes import check_kv_cache
@@ -91,8 +92,7 @@ class Engine:
         self.slots: list[_Slot] = []
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
         self.eos = getattr(tokenizer, "eos_id", None)
-        known = getattr(tokenizer, "vocab_size", None)
-        self.vocab_limit = known if isinstance(known, int) and known < c.vocab_size else None
+        self.vocab_limit = vocabulary_limit(tokenizer, c.vocab_size)
         self.on_step = on_step  # (active rows, tokens produced) after every step, for metrics
         # dispatch: hands one step's events, [(request.emit, event), ...], to the consumer at once (a server's event
         # loop: one wake-up per step instead of one per request); None: each emit is called directly
@@ -230,10 +230,7 @@ class Engine:
 
     def _limited(self, logits: Tensor) -> Tensor:
         """(A, V) logits as float32, ids past the tokenizer's vocabulary never chosen."""
-        logits = logits.float()
-        if self.vocab_limit is not None:
-            logits[:, self.vocab_limit:] = float("-inf")
-        return logits
+        return limit_vocabulary(logits, self.vocab_limit)
 
     def _choose_all(self, logits: Tensor) -> list[int]:
         logits = self._limited(logits)
@@ -252,12 +249,8 @@ class Engine:
         """(1, V) float32 scores (past the tokenizer's vocabulary already -inf) -> the next token, as generate()
         chooses it for one row."""
         request = slot.request
-        if slot.processors:
-            history = torch.tensor([request.prompt_ids + request.new_ids])
-            scores = slot.processors(history, scores)
-        if request.config.greedy:
-            return scores.argmax(-1).tolist()
-        return torch.multinomial(scores.softmax(-1), 1, generator=slot.generator)[:, 0].tolist()
+        history = torch.tensor([request.prompt_ids + request.new_ids]) if slot.processors else None
+        return choose_next(scores, history, slot.processors, request.config.greedy, slot.generator)[:, 0].tolist()
 
     def _deliver(self, slots: list[_Slot], tokens: list[int]) -> None:
         now = time.monotonic()
