@@ -26,24 +26,6 @@ def limited():
     s.stop()
 
 
-@pytest.fixture(scope="module")
-def offline():
-    import torch
-
-    from tokenloom import GenerationConfig, generate
-    from tokenloom.checkpoint import load_model, load_tokenizer
-
-    model, _ = load_model(SHAKES)
-    tokenizer = load_tokenizer(SHAKES)
-
-    def continuation(prompt: str, n: int) -> str:
-        ids = torch.tensor([tokenizer.encode(prompt)])
-        out = generate(model, ids, GenerationConfig(max_new_tokens=n, do_sample=False))
-        return tokenizer.decode(out[0, ids.shape[1]:].tolist())
-
-    return continuation
-
-
 def assert_serving(server, offline):
     r = httpx.post(server.url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 5, "temperature": 0},
                    timeout=60)
