@@ -36,12 +36,19 @@ def add_routes(router: APIRouter, state: ServerState) -> None:
 
 # --- the routes ---------------------------------------------------------------------------------------------------
 
-async def completions(request: HTTPRequest):
+async def lm_request(request: HTTPRequest, route: str) -> tuple[ServerState, dict]:
+    """The server's state and the request's JSON body, for a route that needs a language model (400 otherwise),
+    the body's ``model`` checked."""
     state = server_state(request)
+    require_lm(state, route)
+    body = await read_json(request, state.config.max_body_bytes)
+    check_model(body, state.config)
+    return state, body
+
+
+async def completions(request: HTTPRequest):
+    state, body = await lm_request(request, "/v1/completions")
     config = state.config
-    require_lm(state, "/v1/completions")
-    body = await read_json(request, config.max_body_bytes)
-    check_model(body, config)
     prompt = field(body, "prompt", (str, list), required=True)
     prompts = [prompt] if isinstance(prompt, str) else prompt
     if not prompts or not all(isinstance(p, str) for p in prompts):
@@ -57,11 +64,8 @@ async def completions(request: HTTPRequest):
 
 
 async def chat(request: HTTPRequest):
-    state = server_state(request)
+    state, body = await lm_request(request, "/v1/chat/completions")
     config = state.config
-    require_lm(state, "/v1/chat/completions")
-    body = await read_json(request, config.max_body_bytes)
-    check_model(body, config)
     messages = field(body, "messages", (list,), required=True)
     if not messages or not all(isinstance(m, dict) and isinstance(m.get("content"), str)
                                and isinstance(m.get("role"), str) for m in messages):
