@@ -207,13 +207,13 @@ def test_done_prompts_leave_the_batch_without_changing_results(monkeypatch, earl
 
 
 def test_fast_decode_path_equals_module_path():
-    """Reordering the cache in place keeps GPT's one-token fast path (cache.plan) valid."""
+    """Reordering the cache in place keeps GPT's one-token fast path (plain step functions) valid."""
     model = peaked_model(32, seed=7, position="rope", num_kv_heads=2)
     rows = [torch.randint(0, 32, (k,)) for k in (5, 8)]
     ids, mask = left_pad(rows)
     config = GenerationConfig(max_new_tokens=10, num_beams=4, num_return_sequences=4, eos_token_id=2, **BEAM)
     fast = beam_search(model, ids, config, attention_mask=mask)
-    handle = model.blocks[0].mlp.register_forward_hook(lambda module, args, out: None)  # switches the plan off
+    handle = model.blocks[0].mlp.register_forward_hook(lambda module, args, out: None)  # the modules run
     slow = beam_search(model, ids, config, attention_mask=mask)
     handle.remove()
     assert torch.equal(fast.sequences, slow.sequences)

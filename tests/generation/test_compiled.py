@@ -35,7 +35,7 @@ def counting(monkeypatch):
 
 
 @pytest.mark.parametrize("position", POSITIONS)
-def test_static_step_equals_the_uncached_forward(position):
+def test_the_static_cache_strategy_equals_the_uncached_forward(position):
     model = small_model(position=position)
     ids, mask = left_pad([torch.randint(0, 40, (9,)), torch.randint(0, 40, (6,))])
     with torch.inference_mode():
@@ -45,7 +45,8 @@ def test_static_step_equals_the_uncached_forward(position):
         key_mask = torch.ones(2, 16, dtype=torch.bool)
         key_mask[:, :9] = mask.bool()
         positions = mask.sum(-1, keepdim=True) - 1  # (B, 1): real tokens before the last one
-        logits = model.static_step(ids[:, -1:], positions, torch.tensor([8]), key_mask, cache.layers)
+        static = cache.static(torch.tensor([8]), key_mask)  # written at position 8, attending over all 16
+        logits = model(ids[:, -1:], positions=positions, cache=static)[:, 0]
     torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
 
 

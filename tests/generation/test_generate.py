@@ -148,12 +148,12 @@ def test_kv_cache_select_keeps_rows_in_new_storage():
     cache = KVCache(2, 4, 2, 8, 3)
     cache.kv.copy_(torch.randn_like(cache.kv))
     cache.advance(5)
-    cache.plan = "bound to the old buffers"
     before = cache.kv.clone()
     cache.select(torch.tensor([3, 1]))
-    assert cache.batch_size == 2 and cache.length == 5 and cache.plan is None
+    assert cache.batch_size == 2 and cache.length == 5
     assert torch.equal(cache.kv[:, :, :, :, :5], before[:, :, [3, 1], :, :5])
     assert cache.layer(1)[0].data_ptr() == cache.k[1].data_ptr()  # the layer views follow the new storage
+    assert cache.layers[1].k.data_ptr() == cache.k[1].data_ptr()
 
 
 def test_all_rows_finished_ends_early():

@@ -8,6 +8,7 @@ import torch
 from tokenloom import EncoderDecoder, GenerationConfig, Seq2SeqConfig, generate
 from tokenloom.errors import ConfigError, GenerationError
 from tokenloom.models.seq2seq import Seq2SeqCache
+from tokenloom.nn.block import runs_plain
 
 VARIANTS = {
     "paper": {},
@@ -95,8 +96,8 @@ def test_select_keeps_whole_sentences():
 
 
 @pytest.mark.parametrize("variant", ["paper", "modern"])
-def test_decode_plan_equals_module_path(variant):
-    """The one-token plan (plain functions over the cache and the memory keys/values) computes what the
+def test_plain_step_equals_module_path(variant):
+    """The one-token step as plain functions (over the cache and the memory keys/values) computes what the
     modules compute; a forward hook switches it off."""
     model = make(**VARIANTS[variant])
     src, mask, tgt = batch()
@@ -108,7 +109,7 @@ def test_decode_plan_equals_module_path(variant):
         rows = tgt.repeat_interleave(2, 0)
         with torch.no_grad():
             runs.append(torch.cat([decoder(rows[:, t:t + 1], cache=cache) for t in range(tgt.shape[1])], dim=1))
-        assert bool(cache.plan) is not hooked
+        assert runs_plain(cache) is not hooked
         if handle:
             handle.remove()
     torch.testing.assert_close(runs[0], runs[1], atol=1e-6, rtol=1e-6)
@@ -218,7 +219,7 @@ def test_a_tiny_model_learns_to_reverse():
 @pytest.mark.parametrize("variant", list(VARIANTS) + ["post-rope"])
 def test_plain_eval_passes_equal_the_module_path(variant, monkeypatch):
     """In eval mode the encoder and the teacher-forced decoder run their blocks as plain method calls
-    (``sequence_eval``); they compute what the modules compute (the training-mode module path, dropout 0)."""
+    (``block.bind()``); they compute what the modules compute (the training-mode module path, dropout 0)."""
     import tokenloom.models.seq2seq as seq2seq
     from tokenloom.nn.block import PostNormBlock, PreNormBlock
 
@@ -227,8 +228,8 @@ def test_plain_eval_passes_equal_the_module_path(variant, monkeypatch):
     src, mask, tgt = batch()
     calls = []
     for cls in (PreNormBlock, PostNormBlock):
-        original = cls.sequence_eval
-        monkeypatch.setattr(cls, "sequence_eval",
+        original = cls.bind
+        monkeypatch.setattr(cls, "bind",
                             lambda self, *a, _f=original, **k: calls.append(1) or _f(self, *a, **k))
     with torch.no_grad():
         plain = model(src, tgt, mask)

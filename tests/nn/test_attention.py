@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from tokenloom.nn import ATTENTION_BACKENDS, MultiHeadAttention
+from tokenloom.nn import ATTENTION_BACKENDS, Context, MultiHeadAttention
 
 
 def reference(q, k, v, mask):
@@ -33,9 +33,9 @@ def test_math_returns_probabilities_and_causal():
 def test_grouped_query_matches_repeated_heads():
     attn = MultiHeadAttention(32, num_heads=4, num_kv_heads=2, backend="math")
     x = torch.randn(2, 6, 32)
-    out_math, _ = attn(x, is_causal=True)
+    out_math, _ = attn(x, Context(is_causal=True))
     attn.backend = ATTENTION_BACKENDS.get("sdpa")
-    out_sdpa, _ = attn(x, is_causal=True)
+    out_sdpa, _ = attn(x, Context(is_causal=True))
     assert torch.allclose(out_math, out_sdpa, atol=1e-5)
 
 
@@ -46,10 +46,10 @@ def test_cross_attention_shapes_and_memory_mask():
     assert out.shape == (2, 3, 16)
     mask = torch.ones(2, 1, 1, 5, dtype=torch.bool)
     mask[:, :, :, 3:] = False
-    masked, _ = attn(x, memory=memory, attn_mask=mask)
+    masked, _ = attn(x, Context(memory_mask=mask), memory=memory)
     memory2 = memory.clone()
     memory2[:, 3:] = 100.0  # changes to masked memory positions change nothing
-    masked2, _ = attn(x, memory=memory2, attn_mask=mask)
+    masked2, _ = attn(x, Context(memory_mask=mask), memory=memory2)
     assert torch.allclose(masked, masked2, atol=1e-6)
 
 

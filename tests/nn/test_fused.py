@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from tokenloom.nn import ATTENTION_BACKENDS, MultiHeadAttention, create_block, fused
+from tokenloom.nn import ATTENTION_BACKENDS, Context, MultiHeadAttention, create_block, fused
 from tokenloom.nn.attention import EXPLICIT_TRAINING_MAX_KEYS, explicit_training, partition_views
 from tokenloom.nn.fused import ACTIVATIONS, decode_linear, fusable, linear_act, linear_add
 from tokenloom.nn.windows import permute_tokens, window_order, window_partition
@@ -137,8 +137,8 @@ def test_queries_computes_the_first_positions_only(placement, training):
     x = torch.randn(3, 9, 32, requires_grad=True)
     mask = torch.rand(3, 1, 9, 9) > 0.2
     mask[..., 0] = True
-    full, _ = block(x, attn_mask=mask)
-    first, _ = block(x, queries=2, attn_mask=mask)
+    full, _ = block(x, Context(mask))
+    first, _ = block(x, Context(mask), queries=2)
     assert first.shape == (3, 2, 32)
     assert torch.allclose(first, full[:, :2], atol=1e-5)
     (g_first,) = torch.autograd.grad(first.sum(), x)
@@ -184,12 +184,12 @@ def test_gqa_attention_trains_the_same_through_partition_views():
     torch.manual_seed(0)
     attn = MultiHeadAttention(32, num_heads=4, num_kv_heads=2)
     x = torch.randn(2, 7, 32)
-    out, _ = attn(x, is_causal=True)
+    out, _ = attn(x, Context(is_causal=True))
     out.square().sum().backward()
     grad = attn.qkv_proj.weight.grad.clone()
     attn.zero_grad()
     attn.backend = ATTENTION_BACKENDS.get("math")
-    ref, _ = attn(x, is_causal=True)
+    ref, _ = attn(x, Context(is_causal=True))
     ref.square().sum().backward()
     assert torch.allclose(out, ref, atol=1e-5) and torch.allclose(grad, attn.qkv_proj.weight.grad, atol=1e-4)
 

@@ -42,7 +42,7 @@ def test_performer_converges_to_softmax_attention_as_features_grow(causal):
         runs = []
         for seed in range(3):
             torch.manual_seed(seed)
-            out, _ = PerformerAttention(4, 16, performer_features=m)(q, k, v, None, causal, 0.0, False)
+            out, _ = PerformerAttention(4, 16, features=m)(q, k, v, None, causal, 0.0, False)
             runs.append((out - exact).abs().mean().item())
         errors.append(sum(runs) / len(runs))
     assert errors[0] > errors[1] > errors[2]
@@ -54,7 +54,7 @@ def test_causal_performer_equals_its_estimate_under_an_explicit_causal_mask(tq, 
     """The prefix-sum form (chunks, a running state, queries aligned to the last keys as with a cache) computes
     exactly phi(q) phi(k)^T masked lower-triangular, normalised, times v."""
     torch.manual_seed(0)
-    performer = PerformerAttention(4, 16, performer_features=32, chunk=chunk)
+    performer = PerformerAttention(4, 16, features=32, chunk=chunk)
     q, k, v = qkv(T=40)
     q = q[:, :, -tq:]
     out, _ = performer(q, k, v, None, True, 0.0, False)
@@ -68,7 +68,7 @@ def test_causal_performer_equals_its_estimate_under_an_explicit_causal_mask(tq, 
 @pytest.mark.parametrize("causal", [False, True])
 def test_performer_key_padding_equals_the_unpadded_sequence(causal):
     torch.manual_seed(0)
-    performer = PerformerAttention(4, 16, performer_features=32)
+    performer = PerformerAttention(4, 16, features=32)
     q, k, v = qkv(B=1, T=12)
     real = torch.ones(1, 12, dtype=torch.bool)
     real[:, 9:] = False  # 3 padding positions at the end
@@ -94,8 +94,8 @@ def test_performer_refuses_what_it_cannot_express():
 
 def test_performer_redraws_features_every_n_training_calls_reproducibly():
     torch.manual_seed(0)
-    a = PerformerAttention(4, 16, performer_features=8, performer_redraw=2)
-    b = PerformerAttention(4, 16, performer_features=8, performer_redraw=2)
+    a = PerformerAttention(4, 16, features=8, redraw=2)
+    b = PerformerAttention(4, 16, features=8, redraw=2)
     b.load_state_dict(a.state_dict())
     b.seed = a.seed
     q, k, v = qkv(T=5)
@@ -118,7 +118,7 @@ def test_performer_redraws_features_every_n_training_calls_reproducibly():
 
 def test_linformer_shapes_padding_and_refusals():
     torch.manual_seed(0)
-    lin = LinformerAttention(4, 16, max_len=20, linformer_k=8)
+    lin = LinformerAttention(4, 16, max_len=20, k=8)
     q, k, v = qkv(T=12)
     out, weights = lin(q, k, v, None, False, 0.0, False)
     assert out.shape == q.shape and weights is None
@@ -138,7 +138,7 @@ def test_linformer_shapes_padding_and_refusals():
 
 
 def test_backends_are_built_per_layer_and_listed():
-    attn = MultiHeadAttention(32, 4, backend="performer", attention_options=dict(performer_features=10))
+    attn = MultiHeadAttention(32, 4, backend="performer", attention_options=dict(features=10))
     assert isinstance(attn.backend, PerformerAttention) and attn.backend.features.shape == (10, 8)
     assert "backend.features" in attn.state_dict()
     assert {"sdpa", "math", "performer", "linformer"} <= set(ATTENTION_BACKENDS.names())
@@ -156,8 +156,30 @@ def test_configs_refuse_linformer_where_attention_is_causal_and_biases_for_both(
         GPTConfig(attention="performer", position="alibi")
     with pytest.raises(ConfigError, match="relative position bias"):
         SwinConfig(attention="performer")
-    with pytest.raises(ConfigError, match="performer_features"):
-        GPTConfig(attention="performer", performer_features=-1)
+    with pytest.raises(ConfigError, match=r"attention_options\.features must be an integer >= 0, got -1"):
+        GPTConfig(attention="performer", attention_options={"features": -1})
+    with pytest.raises(ConfigError, match=r"unknown key 'attention_options\.featurs' \(did you mean 'features'"):
+        GPTConfig(attention="performer", attention_options={"featurs": 8})
+    with pytest.raises(ConfigError, match="attention 'sdpa' takes no options"):
+        GPTConfig(attention_options={"k": 8})
+
+
+def test_old_configs_with_top_level_linear_attention_keys_still_load():
+    """Before attention_options, every saved config carried performer_features / performer_redraw /
+    linformer_k at the top level; they move into the section of the backend they belong to, and are dropped
+    for the others (the unused defaults)."""
+    from tokenloom.models.factory import model_config_from_dict
+
+    old = {"family": "gpt", "attention": "performer", "performer_features": 12, "performer_redraw": 3,
+           "linformer_k": 64, "num_layers": 1, "num_heads": 2, "embed_dim": 16}
+    _, config = model_config_from_dict(old)
+    assert config.attention_options == {"features": 12, "redraw": 3}
+    _, config = model_config_from_dict({**old, "attention": "sdpa"})
+    assert config.attention_options is None
+    _, config = model_config_from_dict({**old, "attention_options": {"features": 4}})  # the section wins
+    assert config.attention_options == {"features": 4, "redraw": 3}
+    model = GPT(config)
+    assert model.blocks[0].attn.backend.num_features == 4 and model.blocks[0].attn.backend.redraw == 3
 
 
 def test_a_performer_gpt_trains_and_decodes_with_the_cache_as_without():
@@ -178,7 +200,7 @@ def test_a_performer_gpt_trains_and_decodes_with_the_cache_as_without():
 def test_a_linformer_vit_runs_forward_and_backward():
     torch.manual_seed(0)
     model = ViT(ViTConfig(image_size=8, patch_size=2, in_channels=1, num_classes=3, embed_dim=32, num_layers=2,
-                          num_heads=2, attention="linformer", linformer_k=4))
+                          num_heads=2, attention="linformer", attention_options={"k": 4}))
     logits = model(torch.randn(2, 1, 8, 8))
     logits.sum().backward()
     assert logits.shape == (2, 3)

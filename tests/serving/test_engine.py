@@ -8,6 +8,7 @@ import torch
 
 from tests.generation.helpers import small_model
 from tokenloom import GenerationConfig, generate
+from tokenloom.nn.block import runs_plain
 from tokenloom.serving import Engine, QueueFull, Request
 
 
@@ -105,23 +106,28 @@ def test_the_queue_is_bounded_and_cancelled_requests_are_skipped():
 
 @pytest.mark.parametrize("position", ["learned", "sinusoidal", "rope", "alibi", "t5", "none"])
 @pytest.mark.parametrize("kv_heads", [None, 2])
-def test_ragged_step_equals_the_uncached_forward_for_rows_of_different_lengths(position, kv_heads):
+def test_the_ragged_cache_strategy_equals_the_uncached_forward_for_rows_of_different_lengths(position, kv_heads):
     model = small_model(position=position, num_kv_heads=kv_heads)
     seqs = [torch.randint(0, 40, (n,)) for n in (7, 3, 11)]
-    kv = torch.zeros(2, 2, 3, kv_heads or 4, 20, 8)  # (L, 2, rows, Hkv, M, D)
+    rows = model.create_cache(3, 20)
     with torch.no_grad():
         for b, s in enumerate(seqs):  # every row prefilled with all but its last token
             cache = model.create_cache(1, 20)
             model(s[None, :-1], cache=cache)
-            kv[:, :, b] = cache.kv[:, :, 0]
+            rows.copy_rows(b, cache, 0, len(s) - 1)
         lengths = torch.tensor([len(s) - 1 for s in seqs])
         last = torch.stack([s[-1] for s in seqs])[:, None]
         reference = torch.stack([model(s[None])[0, -1] for s in seqs])
-        modules = model.ragged_step(last, lengths, kv.clone())
-        plain = kv.clone()
-        planned = model.ragged_step(last, lengths, plain, model.ragged_plan(plain))
+        saved = rows.kv.clone()
+        plain = model(last, positions=lengths[:, None], cache=rows.ragged(3, lengths))[:, 0]
+        rows.kv.copy_(saved)
+        handle = model.blocks[0].mlp.register_forward_hook(lambda *a: None)  # the modules run
+        view = rows.ragged(3, lengths)
+        modules = model(last, positions=lengths[:, None], cache=view)[:, 0]
+        handle.remove()
+        assert runs_plain(view) is False
     torch.testing.assert_close(modules, reference, rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(planned, reference, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(plain, reference, rtol=1e-5, atol=1e-5)
 
 
 def test_a_request_that_fails_to_start_fails_alone_and_the_engine_goes_on():

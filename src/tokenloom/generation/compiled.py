@@ -1,12 +1,13 @@
 """``GenerationConfig(compile=True)``: the one-token decode steps through ``torch.compile`` over a static cache.
 
-After the prompt's eager prefill, every step calls the model's ``static_step`` (:meth:`tokenloom.models.GPT.
-static_step`) on the same shapes: the whole preallocated cache, the position to write as a tensor, a mask over
-all cached positions. It compiles once (``dynamic=False``, ``fullgraph=True``) per model, batch size, cache
-length and dtype, never per token; the cache length is rounded up to a multiple of :data:`CACHE_MULTIPLE` so
-prompts of similar lengths share one compilation. Rows that stop stay in the batch (dropping them would change
-the shapes): greedy tokens are the same as eager decoding's; a seeded sample is the same while no row stops
-(afterwards eager decoding draws over the smaller batch, so the same seed gives another, equally valid sample).
+After the prompt's eager prefill, every step calls the model's forward with the static cache strategy
+(:class:`tokenloom.nn.kv_cache.StaticView`) on the same shapes: the whole preallocated cache, the position to write
+as a tensor, a mask over all cached positions. It compiles once (``dynamic=False``, ``fullgraph=True``) per
+model, batch size, cache length and dtype, never per token; the cache length is rounded up to a multiple of
+:data:`CACHE_MULTIPLE` so prompts of similar lengths share one compilation. Rows that stop stay in the batch
+(dropping them would change the shapes): greedy tokens are the same as eager decoding's; a seeded sample is the
+same while no row stops (afterwards eager decoding draws over the smaller batch, so the same seed gives another,
+equally valid sample).
 
 Measured here (2 cores, fp32, 4 layers / 128 dims, 256 new tokens): 0.68 ms/token compiled vs 0.47 eager at
 batch 1, 1.8 vs 0.84 at batch 8. The eager one-token step is already lean (plain functions over the cache,
@@ -15,8 +16,8 @@ TorchDynamo's guard check alone costs ~85 us a step. The option is there for dev
 Inductor's kernels pay.
 
 Where compilation is unavailable (no ``torch.compile``, no C++ compiler for Inductor's CPU kernels), the model
-has no ``static_step`` or uses linear attention (its decode state is not a key/value cache), or compiling fails,
-decoding warns once (one line) and runs eagerly: the tokens are the same either way.
+is not a causal language model or uses linear attention (its decode state is not a key/value cache), or
+compiling fails, decoding warns once (one line) and runs eagerly: the tokens are the same either way.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import torch
 from torch import Tensor, nn
 
 from ..compilation import compile_unavailable, first_line, from_compiler, separate_inductor_cache
-from ..nn import KVCache
+from ..models.registry import decoding_of
+from ..nn.kv_cache import StaticKVCache, StaticView
 
 CACHE_MULTIPLE = 64  # static cache lengths are rounded up to this (within the model's context)
 BACKEND = "inductor"  # torch.compile's backend for generate(compile=True) (tests swap in a counting one)
@@ -41,52 +43,31 @@ def static_cache_length(needed: int, context: int | None) -> int:
 
 def why_not_compiled(model: nn.Module, backend=None) -> str | None:
     """Why ``model``'s decode steps cannot be compiled here, or None when they can."""
-    if not callable(getattr(model, "static_step", None)):
-        return f"{type(model).__name__} has no static decode step (compiled decoding is for GPT models)"
+    if decoding_of(model) != "causal_lm":
+        return f"{type(model).__name__} is not a causal language model (compiled decoding is for those)"
     attention = getattr(getattr(model, "config", None), "attention", "sdpa")
     if attention in ("performer", "linformer"):
         return f"attention={attention!r} keeps no key/value cache to make static"
     return compile_unavailable() if (backend or BACKEND) == "inductor" else None
 
 
-class StaticKVCache:
-    """The decode cache for compiled steps: separate (B, Hkv, M, D) key and value tensors per layer, which a
-    compiled step writes in place (as views of one storage, each write made the compiled graph copy the whole
-    storage: 11 ms a step for the 4-layer model at batch 8). It serves the eager prefill like a
-    :class:`~tokenloom.nn.KVCache` (``layer``, ``length``, ``advance``), with ``plan = False`` so eager
-    one-token steps call the modules."""
-
-    def __init__(self, cache: KVCache) -> None:
-        self.max_len, self.length, self.plan = cache.max_len, cache.length, False
-        self.layers = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in (cache.layer(i)
-                                                                            for i in range(cache.k.shape[0]))]
-
-    @property
-    def batch_size(self) -> int:
-        return self.layers[0][0].shape[0]
-
-    def layer(self, i: int) -> tuple[Tensor, Tensor]:
-        return self.layers[i]
-
-    def advance(self, n: int) -> None:
-        self.length += n
-
-    def reset(self) -> None:
-        self.length = 0
-
-
 class StaticDecodeStep:
-    """Calls ``model.static_step`` compiled, on ``cache``'s tensors; ``key_mask`` (B, M) bool marks the cache
-    positions a row may attend (False = its prompt padding), None = all. ``step(tokens (B, 1), positions (B, 1))``
-    writes at ``cache.length``, advances the cache and returns (B, 1, V) logits, or None when compilation failed
+    """Calls the model's forward compiled over the static cache strategy, on ``cache``'s tensors; ``key_mask`` (B, M)
+    bool marks the cache positions a row may attend (False = its prompt padding), None = all.
+    ``step(tokens (B, 1), positions (B, 1))`` writes at ``cache.length``, advances the cache and returns (B, 1, V)
+    logits, or None when compilation failed
     (it has warned; the caller runs the step eagerly from then on)."""
 
     def __init__(self, model: nn.Module, cache: StaticKVCache, key_mask: Tensor | None, backend=None) -> None:
-        self.cache, self.key_mask = cache, key_mask
-        self.pos = torch.zeros(1, dtype=torch.long, device=key_mask.device if key_mask is not None else
-                               cache.layers[0][0].device)  # (1,) the position written
+        self.cache = cache
+        self.pos = torch.zeros(1, dtype=torch.long, device=cache.tensors[0][0].device)  # (1,) the position written
+        self.view = cache.static(self.pos, key_mask)
         separate_inductor_cache()
-        self.compiled = torch.compile(model.static_step, backend=backend or BACKEND, dynamic=False, fullgraph=True)
+
+        def step(tokens: Tensor, positions: Tensor, view: StaticView) -> Tensor:
+            return model(tokens, positions=positions, cache=view)[:, 0]  # (B, V)
+
+        self.compiled = torch.compile(step, backend=backend or BACKEND, dynamic=False, fullgraph=True)
 
     def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor | None:
         if self.compiled is None:
@@ -94,8 +75,7 @@ class StaticDecodeStep:
         self.pos.fill_(self.cache.length)
         try:
             # contiguous: a slice of a longer positions matrix has its stride, which the compiled graph guards on
-            logits = self.compiled(tokens.contiguous(), positions.contiguous(), self.pos, self.key_mask,
-                                   self.cache.layers)  # (B, V)
+            logits = self.compiled(tokens.contiguous(), positions.contiguous(), self.view)  # (B, V)
         except Exception as error:  # noqa: BLE001 — a compiler failure: decode eagerly, never stop the run
             if not from_compiler(error):
                 raise

@@ -11,6 +11,7 @@ from torch import nn
 
 from ..config import from_dict, to_dict
 from ..errors import ConfigError
+from .options import migrate_model_section
 from .registry import MODELS
 from .sizes import check_model_memory
 
@@ -20,7 +21,7 @@ def model_config_from_dict(data: dict[str, Any], prefix: str = "model") -> tuple
     if data is not None and not isinstance(data, dict):
         raise ConfigError(f"{prefix}: expected a mapping of model fields (family, num_layers, ...), got "
                           f"{type(data).__name__}")
-    data = dict(data or {})
+    data = migrate_model_section(dict(data or {}))
     family = data.pop("family", "gpt")
     config_cls, _ = MODELS.get(family)
     return family, from_dict(config_cls, data, prefix=prefix)

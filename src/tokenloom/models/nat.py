@@ -32,8 +32,11 @@ from torch.nn import functional as F
 
 from ..config import check
 from ..errors import GenerationError
+from ..nn.attention import Context
 from ..nn.block import plain_eval
-from ..nn.masks import padding_additive_mask
+from ..nn.kv_cache import MemoryLayer
+from ..nn.masks import attention_mask as attention_mask_for
+from ..nn.masks import sequence_span
 from .registry import MODELS, declare_decoding
 from .seq2seq import EncoderDecoder, Seq2SeqConfig
 
@@ -203,17 +206,21 @@ class NonAutoregressiveTransformer(EncoderDecoder):
             x = x + added
         x = self.embed_dropout(x)
         dtype = self._mask_dtype(x)
-        self_mask = None if bool(target_mask.all()) else padding_additive_mask(target_mask, dtype)
-        memory_mask = None if bool(source_mask.all()) else padding_additive_mask(source_mask, dtype)
-        rope = self.tgt_position.rotary(positions)
+        valid = None if bool(target_mask.all()) else target_mask
+        self_mask, _ = attention_mask_for(sequence_span(T, valid), T, causal=False, dtype=dtype, device=x.device)
+        ctx = Context(self_mask, False, self.tgt_position.rotary(positions),
+                      memory_mask=self.memory_mask(source_mask, dtype))
+        memories = [MemoryLayer(*kv) for kv in memory_kv] if memory_kv is not None else None
         if plain_eval(self.decoder):
             for i, block in enumerate(self.decoder):
-                kv = memory_kv[i] if memory_kv is not None else block.cross_attn.memory_kv(memory)
-                x = block.sequence_eval(x, self_mask, False, rope, kv, memory_mask)
+                kv = memories[i] if memories is not None else MemoryLayer(*block.cross_attn.memory_kv(memory))
+                x = block.bind()(x, ctx._replace(memory=kv))
             return self.decoder_norm(x)
         for i, block in enumerate(self.decoder):
-            x, _ = block(x, attn_mask=self_mask, is_causal=False, rope=rope, memory=memory, memory_mask=memory_mask,
-                         memory_kv=memory_kv[i] if memory_kv is not None else None)
+            if memories is not None:
+                x, _ = block(x, ctx._replace(memory=memories[i]))
+            else:
+                x, _ = block(x, ctx, memory=memory)
         return self.decoder_norm(x)
 
     def forward(self, source: Tensor, source_mask: Tensor, target_lengths: Tensor | None = None,

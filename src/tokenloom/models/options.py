@@ -10,6 +10,7 @@ from torch import nn
 from ..config import check, check_choice
 from ..errors import ConfigError
 from ..nn import ATTENTION_BACKENDS, BLOCKS, MLPS, NORMS, POSITIONS
+from ..nn.attention import backend_options
 from ..nn.mlp import swiglu_hidden_dim
 from ..nn.positions import check_rope_scaling
 from ..registry import did_you_mean
@@ -40,9 +41,7 @@ def check_layer_options(config: Any) -> None:
     check_choice("norm_placement", config.norm_placement, BLOCKS)
     check_choice("mlp", config.mlp, MLPS)
     check_choice("attention", config.attention, ATTENTION_BACKENDS)
-    for name, low in (("performer_features", 0), ("performer_redraw", 0), ("linformer_k", 1)):
-        value = getattr(config, name, low)
-        check(isinstance(value, int) and value >= low, f"{name} must be an integer >= {low}, got {value!r}")
+    backend_options(config.attention, getattr(config, "attention_options", None))  # the backend validates its own
     config.head_dim = config.embed_dim // config.num_heads
     if config.mlp_hidden_dim is not None:
         config.mlp_hidden = config.mlp_hidden_dim
@@ -79,10 +78,34 @@ LINEAR_ATTENTION = ("performer", "linformer")
 
 
 def attention_options(config: Any, max_len: int) -> dict:
-    """The keyword arguments the stateful attention backends (:mod:`tokenloom.nn.linear_attention`) take, from a
-    model config; ``max_len`` is the longest key sequence (Linformer's projection length)."""
-    return dict(max_len=max_len, performer_features=getattr(config, "performer_features", 0),
-                performer_redraw=getattr(config, "performer_redraw", 0), linformer_k=getattr(config, "linformer_k", 64))
+    """What each attention layer of a model takes: the config's ``attention_options`` section (the backend's own
+    options) and ``max_len``, the longest key sequence (Linformer's projection length)."""
+    return dict(max_len=max_len, **(getattr(config, "attention_options", None) or {}))
+
+
+# keys that old configs held at the top level (before 2026-12-02), now in ``attention_options``:
+# old key -> (the backend it applied to, its name in that backend's options)
+MOVED_ATTENTION_KEYS = {"performer_features": ("performer", "features"), "performer_redraw": ("performer", "redraw"),
+                        "linformer_k": ("linformer", "k")}
+
+
+def migrate_model_section(data: dict[str, Any]) -> dict[str, Any]:
+    """A ``model:`` mapping with renamed keys moved to where they live now, so old ``config.yaml`` files (bundled
+    checkpoints, users' runs) still load: ``performer_features`` / ``performer_redraw`` / ``linformer_k`` go into
+    ``attention_options`` when the model uses that backend (an explicit ``attention_options`` entry wins), and are
+    dropped otherwise (they were the unused defaults every saved config carried)."""
+    moved = [key for key in MOVED_ATTENTION_KEYS if key in data]
+    if not moved:
+        return data
+    data = dict(data)
+    options = dict(data.get("attention_options") or {})
+    for key in moved:
+        value = data.pop(key)
+        backend, name = MOVED_ATTENTION_KEYS[key]
+        if data.get("attention", "sdpa") == backend:
+            options.setdefault(name, value)
+    data["attention_options"] = options or None
+    return data
 
 
 def check_image_options(config: Any) -> tuple[int, int]:

@@ -18,17 +18,16 @@ sampling and beam search from :mod:`tokenloom.generation` work unchanged. Its ca
 (:class:`Seq2SeqCache`) holds the decoder's self-attention keys and values and every layer's
 cross-attention keys and values, computed once per source sentence and shared by that sentence's beams.
 
-A one-token decode step with a cache in eval mode runs a :class:`~tokenloom.nn.block.DecodePlan`, as GPT
-does: each decoder block's ``inference_step`` (self-attention over the cache, cross-attention over the
-precomputed memory keys and values, MLP) as plain functions without ``nn.Module`` call overhead, built
-once per cache and kept on ``cache.plan``; forward hooks on a submodule switch it off.
+A one-token decode step with a cache in eval mode runs the decoder blocks bound as plain functions, as GPT
+does (:func:`tokenloom.nn.block.step_functions`: self-attention over the cache, cross-attention over the
+precomputed memory keys and values — a :class:`~tokenloom.nn.kv_cache.MemoryLayer` per layer — and the MLP,
+without ``nn.Module`` call overhead), built once per cache; forward hooks on a submodule switch it off.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from functools import partial
 from typing import Any
 
 import torch
@@ -38,10 +37,12 @@ from torch.utils.checkpoint import checkpoint
 from ..config import check
 from ..errors import GenerationError
 from ..nn import POSITIONS, KVCache, create_block, create_norm
-from ..nn.block import DecodePlan, has_forward_hooks, inference_function, plain_eval
+from ..nn.attention import Context
+from ..nn.block import plain_eval, step_functions
 from ..nn.dropout import Dropout
-from ..nn.fused import decode_linear
-from ..nn.masks import additive_mask, causal_mask, padding_additive_mask
+from ..nn.kv_cache import MemoryLayer
+from ..nn.masks import attention_mask as attention_mask_for
+from ..nn.masks import sequence_span
 from ..nn.positions import Position
 from .options import attention_options, check_block_options
 from .registry import MODELS, declare_decoding
@@ -65,9 +66,7 @@ class Seq2SeqConfig:
     mlp_ratio: float = 4.0
     mlp_hidden_dim: int | None = None  # exact MLP hidden width; None = from mlp_ratio
     attention: str = "sdpa"  # sdpa | math | performer (linformer: non-autoregressive models only)
-    performer_features: int = 0  # attention performer: random features per head; 0 = round(head_dim * ln head_dim)
-    performer_redraw: int = 0  # attention performer: draw new features every N training calls; 0 = never
-    linformer_k: int = 64  # attention linformer: positions the keys and values are projected to
+    attention_options: dict | None = None  # the backend's own options: performer {features, redraw}, linformer {k}
     dropout: float = 0.1  # on embeddings and residual branches (and attention, unless attention_dropout)
     attention_dropout: float | None = None  # None = dropout
     bias: bool = True
@@ -134,7 +133,6 @@ class EncoderDecoder(nn.Module):
         self._init_weights()
         if c.tie_embeddings:
             self.lm_head.weight = self.tgt_embed.weight
-        self._position_bias = type(self.src_position).bias is not Position.bias
 
     def _init_weights(self) -> None:
         """fairseq's Transformer: Xavier-uniform linear layers, embeddings N(0, C^-1/2) (unit scale after
@@ -174,25 +172,27 @@ class EncoderDecoder(nn.Module):
             raise GenerationError(f"source of {S} tokens exceeds the model's limit of {self.config.max_source_len}")
         positions = torch.arange(S, device=source.device)[None].expand(B, S)
         x = self._embed(source, self.src_embed, self.src_position, positions)
-        mask = None if source_mask is None or bool(source_mask.all()) else \
-            padding_additive_mask(source_mask, self._mask_dtype(x))
-        if self._position_bias:  # alibi / t5: a score bias over both directions
-            index = torch.arange(S, device=source.device)
-            bias = self.src_position.bias(index, index)
-            if bias is not None:
-                mask = bias.to(self._mask_dtype(x)) if mask is None else mask + bias.to(mask.dtype)
-        rope = self.src_position.rotary(positions)
+        valid = None if source_mask is None or bool(source_mask.all()) else source_mask
+        mask, _ = attention_mask_for(sequence_span(S, valid), S, causal=False, position=self.src_position,
+                                     dtype=self._mask_dtype(x), device=source.device)
+        ctx = Context(mask, False, self.src_position.rotary(positions))
         if plain_eval(self.encoder):
             for block in self.encoder:
-                x = block.sequence_eval(x, mask, False, rope)
+                x = block.bind()(x, ctx)
             return self.encoder_norm(x)
         for block in self.encoder:
-            kwargs = dict(attn_mask=mask, is_causal=False, rope=rope)
             if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x, _ = checkpoint(block, x, use_reentrant=False, **kwargs)
+                x, _ = checkpoint(block, x, ctx, use_reentrant=False)
             else:
-                x, _ = block(x, **kwargs)
+                x, _ = block(x, ctx)
         return self.encoder_norm(x)
+
+    def memory_mask(self, source_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
+        """The cross-attention mask of the memory's padding, (B, 1, 1, S) additive, or None without padding."""
+        if source_mask is None or bool(source_mask.all()):
+            return None
+        return attention_mask_for(sequence_span(source_mask.shape[1], source_mask), 1, causal=False, dtype=dtype,
+                                  device=source_mask.device)[0]
 
     # ---- decoder ----------------------------------------------------------------------------------
 
@@ -201,88 +201,50 @@ class EncoderDecoder(nn.Module):
         """(B, T) target ids -> (B, T, V) logits, attending to ``memory`` (B, S, C) — or, with a ``cache``
         from :meth:`Seq2SeqDecoder.create_cache`, to its precomputed cross-attention keys and values."""
         B, T = target.shape
-        past = cache.length if cache is not None else 0
-        if past + T > self.config.max_target_len:
-            raise GenerationError(f"target of {past + T} positions exceeds the model's limit of "
+        span = cache.span(T, None) if cache is not None else sequence_span(T)
+        if span.keys > self.config.max_target_len:
+            raise GenerationError(f"target of {span.keys} positions exceeds the model's limit of "
                                   f"{self.config.max_target_len}")
         if positions is None:
-            positions = torch.arange(past, past + T, device=target.device)[None].expand(B, T)
+            positions = torch.arange(span.past, span.keys, device=target.device)[None].expand(B, T)
+        steps = None
         if T == 1 and cache is not None and not self.training:
-            plan = cache.plan if cache.plan is not None else self._decode_plan(cache)
-            if plan:
-                return self._decode_step(plan, target, positions, cache)
-        x = self._embed(target, self.tgt_embed, self.tgt_position, positions)
+            steps = step_functions(self, cache, self.decoder, self.decoder_norm, self.lm_head)
+        if steps is None:
+            x = self._embed(target, self.tgt_embed, self.tgt_position, positions)
+        else:  # one position per row, (B, C)
+            x = torch.embedding(self.tgt_embed.weight, target.view(B))
+            if self.embed_scale != 1.0:
+                x = x * self.embed_scale
+            added = self.tgt_position.embed(positions)  # (B, 1, C) | None
+            if added is not None:
+                x = x + added.view(B, -1)
         dtype = self._mask_dtype(x)
-        rope = self.tgt_position.rotary(positions)
-        if cache is not None:
-            memory_mask = cache.memory_mask
-        else:
-            memory_mask = None if source_mask is None or bool(source_mask.all()) else \
-                padding_additive_mask(source_mask, dtype)
-        attn_mask, is_causal = self._self_attention_mask(T, past, target.device, dtype)
+        mask, is_causal = attention_mask_for(span, T, causal=True, position=self.tgt_position, dtype=dtype,
+                                             device=target.device)
+        memory_mask = cache.memory_mask if cache is not None else self.memory_mask(source_mask, dtype)
+        ctx = Context(mask, is_causal, self.tgt_position.rotary(positions), memory_mask=memory_mask)
+        if steps is not None:
+            for block, layer, kv in zip(steps.blocks, cache.layers, cache.memory, strict=True):
+                x = block(x, ctx._replace(cache=layer, memory=kv))
+            cache.advance(1)
+            return steps.head(steps.final_norm(x)).view(B, 1, -1)
         if cache is None and plain_eval(self.decoder):  # teacher forcing in eval mode (validation, rescoring)
             for block in self.decoder:
-                x = block.sequence_eval(x, attn_mask, is_causal, rope, block.cross_attn.memory_kv(memory), memory_mask)
+                x = block.bind()(x, ctx._replace(memory=MemoryLayer(*block.cross_attn.memory_kv(memory))))
             return self.lm_head(self.decoder_norm(x))
         for i, block in enumerate(self.decoder):
-            kwargs = dict(attn_mask=attn_mask, is_causal=is_causal, rope=rope, memory_mask=memory_mask)
             if cache is not None:
-                kwargs.update(kv_cache=cache.layer(i), cache_pos=past, memory_kv=cache.memory_kv[i])
+                layer_ctx, layer_memory = ctx._replace(cache=cache.layers[i], memory=cache.memory[i]), None
             else:
-                kwargs.update(memory=memory)
+                layer_ctx, layer_memory = ctx, memory
             if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
-                x, _ = checkpoint(block, x, use_reentrant=False, **kwargs)
+                x, _ = checkpoint(block, x, layer_ctx, use_reentrant=False, memory=layer_memory)
             else:
-                x, _ = block(x, **kwargs)
+                x, _ = block(x, layer_ctx, memory=layer_memory)
         if cache is not None:
             cache.advance(T)
         return self.lm_head(self.decoder_norm(x))
-
-    def _decode_plan(self, cache: Seq2SeqCache) -> DecodePlan | bool:
-        """Build the decode plan bound to ``cache`` (its self-attention buffers, memory keys/values and
-        mask) and keep it on ``cache.plan``; False (call the modules) when a submodule has forward hooks."""
-        cache.plan = False
-        if not has_forward_hooks(self):
-            steps = [block.inference_step(cache.layer_kv(i), cache.memory_kv[i], cache.memory_mask)
-                     for i, block in enumerate(self.decoder)]
-            if None not in steps:
-                head = self.lm_head
-                cache.plan = DecodePlan(steps=steps, final_norm=inference_function(self.decoder_norm),
-                                        embed=partial(torch.embedding, self.tgt_embed.weight),
-                                        head=decode_linear(head.weight, head.bias, rows=cache.batch_size))
-        return cache.plan
-
-    def _decode_step(self, plan: DecodePlan, target: Tensor, positions: Tensor, cache: Seq2SeqCache) -> Tensor:
-        """One eval-mode position per row through ``plan``: the same computation as the module path."""
-        B, past = target.shape[0], cache.length
-        x = plan.embed(target.view(B))  # (B, C)
-        if self.embed_scale != 1.0:
-            x = x * self.embed_scale
-        added = self.tgt_position.embed(positions)  # (B, 1, C) | None
-        if added is not None:
-            x = x + added.view(B, -1)
-        attn_mask, _ = self._self_attention_mask(1, past, target.device, self._mask_dtype(x))
-        rope = self.tgt_position.rotary(positions)
-        for step in plan.steps:
-            x = step(x, past, attn_mask, rope)
-        cache.advance(1)
-        return plan.head(plan.final_norm(x)).view(B, 1, -1)
-
-    def _self_attention_mask(self, T: int, past: int, device: torch.device,
-                             dtype: torch.dtype) -> tuple[Tensor | None, bool]:
-        S = past + T
-        bias = None
-        if self._position_bias:
-            index = torch.arange(S, device=device)
-            bias = self.tgt_position.bias(index[past:], index)
-        if bias is None:
-            if T == 1:
-                return None, False
-            if past == 0:
-                return None, True
-        allowed = causal_mask(T, S, device)
-        mask = additive_mask(allowed, dtype)
-        return (mask if bias is None else mask + bias.to(dtype)), False
 
     def forward(self, source: Tensor, target_in: Tensor, source_mask: Tensor | None = None) -> Tensor:
         """Teacher forcing: (B, S) sources and (B, T) decoder inputs (BOS + target) -> (B, T, V) logits."""
@@ -307,7 +269,13 @@ class Seq2SeqCache(KVCache):
     def __init__(self, *args: Any, memory_kv: list[tuple[Tensor, Tensor]], memory_mask: Tensor | None,
                  group: int, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.memory_kv, self.memory_mask, self.group = memory_kv, memory_mask, group
+        self.memory = [MemoryLayer(k, v) for k, v in memory_kv]  # each layer's cross-attention strategy
+        self.memory_mask, self.group = memory_mask, group
+
+    @property
+    def memory_kv(self) -> list[tuple[Tensor, Tensor]]:
+        """Every layer's cross-attention (k, v), each (Bm, Hkv, S, D)."""
+        return [(m.k, m.v) for m in self.memory]
 
     def reorder(self, index: Tensor) -> None:
         if self.group > 1 or index.numel() != self.batch_size:
@@ -326,7 +294,8 @@ class Seq2SeqCache(KVCache):
             raise GenerationError("a Seq2SeqCache keeps whole source sentences: rows in groups of "
                                   f"{g}, each within its own sentence's group")
         super().select(index)
-        self.memory_kv = [(k.index_select(0, sentences), v.index_select(0, sentences)) for k, v in self.memory_kv]
+        self.memory = [MemoryLayer(m.k.index_select(0, sentences), m.v.index_select(0, sentences))
+                       for m in self.memory]
         if self.memory_mask is not None:
             self.memory_mask = self.memory_mask.index_select(0, sentences)
 
@@ -376,8 +345,7 @@ class Seq2SeqDecoder:
             raise GenerationError(f"batch of {batch_size} rows is not a multiple of the {Bm} encoded sources")
         with torch.inference_mode():
             memory_kv = [block.cross_attn.memory_kv(memory) for block in self.model.decoder]
-            mask = None if self.source_mask is None or bool(self.source_mask.all()) else \
-                padding_additive_mask(self.source_mask, memory.dtype)
+            mask = self.model.memory_mask(self.source_mask, memory.dtype)
         return Seq2SeqCache(c.decoder_layers, batch_size, c.num_kv_heads or c.num_heads, max_len or c.max_target_len,
                             c.head_dim, dtype=dtype or memory.dtype, device=device or memory.device,
                             memory_kv=memory_kv, memory_mask=mask, group=batch_size // Bm)

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from ..nn.attention import backend_options
 from .gpt import GPTConfig
 from .seq2seq import Seq2SeqConfig
 from .swin import SwinConfig
@@ -47,7 +48,7 @@ class Part:
 def _attention(c: Any, kv_heads: int, max_len: int) -> int:
     values = 2 * c.embed_dim * c.embed_dim + 2 * c.embed_dim * kv_heads * c.head_dim
     if getattr(c, "attention", None) == "linformer":
-        values += 2 * c.linformer_k * max_len
+        values += 2 * backend_options("linformer", c.attention_options)["k"] * max_len
     return values
 
 

@@ -8,7 +8,8 @@ images (B, in_channels, H, W) -> patch embedding (+ LayerNorm) -> stages of Swin
 ending in a patch merging (2x2 neighbours concatenated in the order x0 = (0, 0), x1 = (1, 0), x2 = (0, 1),
 x3 = (1, 1), LayerNorm, Linear 4C -> 2C) -> final LayerNorm -> mean over tokens -> classifier.
 
-A Swin block is pre-norm: ``x = x + attn(norm1(x)); x = x + mlp(norm2(x))``, where attention runs inside
+A Swin block is pre-norm (the spine's one body, :func:`tokenloom.nn.block.pre_norm`, with window attention bound
+as its attention sublayer): ``x = x + attn(norm1(x)); x = x + mlp(norm2(x))``, where attention runs inside
 M x M windows with a learned relative position bias ((2M - 1)^2 x nH table), and every second block of a
 stage rolls the map by M // 2 first (shifted windows, with a -100 mask between tokens that were not neighbours
 before the roll). Like Hugging Face's ``SwinLayer``: a map whose sides are not multiples of the window is
@@ -39,8 +40,8 @@ from torch.nn import functional as F
 
 from ..config import check, check_choice
 from ..nn import ATTENTION_BACKENDS, MLPS, LayerNorm, MultiHeadAttention, create_mlp
-from ..nn.attention import explicit_training, partition_views
-from ..nn.block import has_forward_hooks
+from ..nn.attention import NO_CONTEXT, Context, explicit_training, partition_views
+from ..nn.block import has_forward_hooks, pre_norm
 from ..nn.dropout import Dropout, DropPath
 from ..nn.patch_embed import PatchEmbed
 from ..nn.windows import (
@@ -211,34 +212,46 @@ class SwinBlock(nn.Module):
         :meth:`forward_windows`.)"""
         B, L, C = x.shape
         Gh, Gw = grid
-        h = self.norm1(x).view(B, Gh, Gw, C)
-        pad_b, pad_r = -Gh % window, -Gw % window
-        if pad_b or pad_r:
-            h = F.pad(h, (0, 0, 0, pad_r, 0, pad_b))  # zeros right and bottom: (B, Hp, Wp, C)
-        Hp, Wp = Gh + pad_b, Gw + pad_r
-        if shift:
-            h = torch.roll(h, shifts=(-shift, -shift), dims=(1, 2))
-        nW, N = (Hp // window) * (Wp // window), window * window
-        windows = window_partition(h, window).view(B, nW, N, C)  # (B, nW, N, C)
-        out, _ = self.attn(windows, self.attn.position_bias(window), shift_mask)  # (B, nW, N, C)
-        h = window_reverse(out, window, Hp, Wp)  # (B, Hp, Wp, C)
-        if shift:
-            h = torch.roll(h, shifts=(shift, shift), dims=(1, 2))
-        if pad_b or pad_r:
-            h = h[:, :Gh, :Gw]
-        x = x + self.drop_path(self.resid_dropout(h.reshape(B, L, C)))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+
+        def attn(h: Tensor, ctx: Context, residual: Tensor) -> Tensor:
+            h = h.view(B, Gh, Gw, C)
+            pad_b, pad_r = -Gh % window, -Gw % window
+            if pad_b or pad_r:
+                h = F.pad(h, (0, 0, 0, pad_r, 0, pad_b))  # zeros right and bottom: (B, Hp, Wp, C)
+            Hp, Wp = Gh + pad_b, Gw + pad_r
+            if shift:
+                h = torch.roll(h, shifts=(-shift, -shift), dims=(1, 2))
+            nW, N = (Hp // window) * (Wp // window), window * window
+            windows = window_partition(h, window).view(B, nW, N, C)  # (B, nW, N, C)
+            out, _ = self.attn(windows, self.attn.position_bias(window), shift_mask)  # (B, nW, N, C)
+            h = window_reverse(out, window, Hp, Wp)  # (B, Hp, Wp, C)
+            if shift:
+                h = torch.roll(h, shifts=(shift, shift), dims=(1, 2))
+            if pad_b or pad_r:
+                h = h[:, :Gh, :Gw]
+            return residual + self.drop_path(self.resid_dropout(h.reshape(B, L, C)))
+
+        return pre_norm(x, NO_CONTEXT, attn, None, self._mlp(fused=False), self.norm1, None, self.norm2)
 
     def forward_windows(self, x: Tensor, window: int, shift_mask: Tensor | None) -> Tensor:
         """The same block on tokens already in its window layout, x (B, nW, N, C) -> (B, nW, N, C): norms, MLP
         and residuals act per token, so only attention needs the windows, and no roll / partition / reverse
         copies are made. In eval mode the residual adds are fused into the output projections."""
-        if not self.training and not has_forward_hooks(self):
-            x, _ = self.attn(self.norm1(x), self.attn.position_bias(window), shift_mask, residual=x)
-            return self.mlp.add_to(x, self.norm2(x))
-        out, _ = self.attn(self.norm1(x), self.attn.position_bias(window), shift_mask)
-        x = x + self.drop_path(self.resid_dropout(out))
-        return x + self.drop_path(self.mlp(self.norm2(x)))
+        fused = not self.training and not has_forward_hooks(self)
+        bias = self.attn.position_bias(window)
+
+        def attn(h: Tensor, ctx: Context, residual: Tensor) -> Tensor:
+            if fused:
+                return self.attn(h, bias, shift_mask, residual=residual)[0]
+            return residual + self.drop_path(self.resid_dropout(self.attn(h, bias, shift_mask)[0]))
+
+        return pre_norm(x, NO_CONTEXT, attn, None, self._mlp(fused), self.norm1, None, self.norm2)
+
+    def _mlp(self, fused: bool):
+        """The MLP sublayer ``(h, ctx, residual) -> residual + mlp(h)`` (fused, or through drop-path)."""
+        if fused:
+            return lambda h, ctx, residual: self.mlp.add_to(residual, h)
+        return lambda h, ctx, residual: residual + self.drop_path(self.mlp(h))
 
 
 class PatchMerging(nn.Module):

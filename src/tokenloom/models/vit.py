@@ -52,9 +52,7 @@ class ViTConfig:
     position: str = "learned"  # learned | sincos2d
     qkv_bias: bool = True  # bias on the query/key/value projection (the other linear layers always have one)
     attention: str = "sdpa"  # attention backend: sdpa (fused) | math | performer | linformer
-    performer_features: int = 0  # attention performer: random features per head; 0 = round(head_dim * ln head_dim)
-    performer_redraw: int = 0  # attention performer: draw new features every N training calls; 0 = never
-    linformer_k: int = 64  # attention linformer: positions the keys and values are projected to
+    attention_options: dict | None = None  # the backend's own options: performer {features, redraw}, linformer {k}
     head_dim: int = field(init=False, default=0)  # derived: embed_dim // num_heads
     mlp_hidden: int = field(init=False, default=0)  # derived: the MLP hidden width the model builds
     grid_size: tuple[int, int] = field(init=False, default=(0, 0))  # derived: patch grid of image_size

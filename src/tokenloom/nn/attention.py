@@ -12,7 +12,9 @@ additive float mask broadcastable to (B, H, Tq, Tk), and out (B, H, Tq, D).
 * ``math``: the explicit ``softmax(q k^T / sqrt(D) + mask) v``; returns the probabilities when asked.
 * ``performer``, ``linformer``: linear-time approximations with state (random features, learned projections),
   :mod:`.linear_attention`; registered as classes, each attention layer builds its own instance from
-  ``attention_options`` (``max_len``, ``performer_features``, ``performer_redraw``, ``linformer_k``).
+  ``max_len`` and the model config's ``attention_options`` section, which the backend owns and validates
+  (its ``Options`` dataclass: performer ``features``, ``redraw``; linformer ``k``; :func:`backend_options`).
+  A backend with options joins by registering a class with an ``Options`` dataclass; nothing else changes.
 """
 
 from __future__ import annotations
@@ -21,20 +23,40 @@ import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
+from dataclasses import asdict
+from functools import partial
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from ..registry import Registry
+from ..config import from_dict
+from ..errors import ConfigError
+from .backends import ATTENTION_BACKENDS, load_backend_files
 from .fused import decode_linear, linear_add
+from .kv_cache import LayerCache, MemoryLayer
 from .positions import apply_rotary
 
 Backend = Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float, bool], tuple[Tensor, Tensor | None]]
-ATTENTION_BACKENDS: Registry[Backend] = Registry("attention backend")
 
 
 _causal_masks: dict[tuple, Tensor] = {}
+
+
+def backend_options(backend: str, options: dict | None, prefix: str = "attention_options") -> dict:
+    """The validated ``attention_options`` of ``backend`` as keyword arguments (defaults filled in): each backend
+    owns its options (the ``Options`` dataclass of a backend class); a backend without one takes none. A
+    :class:`~tokenloom.errors.ConfigError` names the key and the value."""
+    implementation = ATTENTION_BACKENDS.get(backend)
+    spec = getattr(implementation, "Options", None)
+    if spec is None:
+        if options:
+            raise ConfigError(f"{prefix}: attention {backend!r} takes no options, got {sorted(options)}")
+        return {}
+    if options is not None and not isinstance(options, dict):
+        raise ConfigError(f"{prefix}: expected a mapping of {backend} options, got {options!r}")
+    return asdict(from_dict(spec, options or {}, prefix=prefix))
 
 
 EXPLICIT_TRAINING_MAX_KEYS = 96  # float32 CPU training: explicit attention up to this many keys
@@ -109,6 +131,10 @@ def _masked_one_query(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor) -> Ten
 @ATTENTION_BACKENDS.register("sdpa")
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
                    dropout_p: float, need_weights: bool) -> tuple[Tensor, None]:
+    if (attn_mask is not None and q.shape[-2] == 1 and q.dim() == 4 and q.shape[1] == k.shape[1]
+            and q.device.type == "cpu" and attn_mask.dtype != torch.bool and not torch.is_grad_enabled()
+            and not torch.compiler.is_compiling()):  # one query per row under a float mask: a decode step
+        return _masked_one_query(q, k, v, attn_mask), None
     if explicit_training(q, k.shape[-2]):
         return _explicit_training_attention(q, k, v, attn_mask, is_causal, dropout_p), None
     gqa = q.shape[1] != k.shape[1]
@@ -186,12 +212,36 @@ def _record(module: nn.Module, q: Tensor, k: Tensor, attn_mask: Tensor | None, i
             records[id(module)].append(attention_probs(q.detach(), k.detach(), attn_mask, is_causal))
 
 
+class Context(NamedTuple):
+    """What one attention call reads besides its queries' source: built once per forward by the model (the mask
+    from :func:`~.masks.attention_mask`, the rotary angles) and given each layer's cache views."""
+
+    mask: Tensor | None = None  # self-attention: None, bool (True = may attend) or additive (B|1, H|1, T, S)
+    is_causal: bool = False  # the fused kernels' own causal mask (no cache, no mask)
+    rope: tuple[Tensor, Tensor] | None = None  # (cos, sin) of the queries' positions
+    cache: LayerCache | None = None  # self-attention: this layer's cache strategy (None: attend over x itself)
+    memory: LayerCache | None = None  # cross-attention: the memory's keys and values (a MemoryLayer)
+    memory_mask: Tensor | None = None  # cross-attention: the memory's additive mask (Bm, 1, 1, S)
+
+
+NO_CONTEXT = Context()
+
+Linear = Callable[[Tensor], Tensor]
+OutLinear = Callable[[Tensor, Tensor | None], Tensor]  # (heads' output, residual | None) -> residual + out_proj
+
+
 class MultiHeadAttention(nn.Module):
     """Scaled dot-product attention over ``num_heads`` heads.
 
     Self-attention projects q, k and v with one fused matmul; with ``cross=True`` the keys and values
-    come from ``memory`` (an encoder's output). ``num_kv_heads < num_heads`` shares each key/value head
-    among ``num_heads // num_kv_heads`` query heads (grouped-query attention; 1 = multi-query).
+    come from an encoder's memory (``ctx.memory``: its keys and values, :meth:`memory_kv`). ``num_kv_heads <
+    num_heads`` shares each key/value head among ``num_heads // num_kv_heads`` query heads (grouped-query
+    attention; 1 = multi-query).
+
+    Two entry points run one body (:meth:`attend`): ``forward`` (the module: hooks, dropout, weights) and
+    :meth:`bind` (plain functions for eval-mode passes and one-token decode steps, without ``nn.Module`` call
+    overhead). Keys and values are stored and read through the context's cache strategy
+    (:mod:`.kv_cache`): dense, static, ragged or an encoder's memory.
     """
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *, bias: bool = True,
@@ -217,109 +267,105 @@ class MultiHeadAttention(nn.Module):
         self.backend_name = backend
         implementation = ATTENTION_BACKENDS.get(backend)
         if isinstance(implementation, type):  # a backend with state (performer, linformer): one per layer
-            implementation = implementation(num_heads, self.head_dim, **(attention_options or {}))
+            options = dict(attention_options or {})
+            max_len = options.pop("max_len", None)
+            implementation = implementation(num_heads, self.head_dim, max_len=max_len,
+                                            **backend_options(backend, options))
         self.backend = implementation
 
-    def forward(self, x: Tensor, *, attn_mask: Tensor | None = None, is_causal: bool = False,
-                rope: tuple[Tensor, Tensor] | None = None, kv_cache: tuple[Tensor, Tensor] | None = None,
-                cache_pos: int | Tensor = 0, memory: Tensor | None = None,
-                memory_kv: tuple[Tensor, Tensor] | None = None, need_weights: bool = False,
-                residual: Tensor | None = None, queries: int | None = None) -> tuple[Tensor, Tensor | None]:
-        """x (B, T, C) -> (B, T, C), and the (B, H, T, Tk) probabilities when ``need_weights`` and the
+    def forward(self, x: Tensor, ctx: Context = NO_CONTEXT, *, memory: Tensor | None = None,
+                residual: Tensor | None = None, need_weights: bool = False,
+                queries: int | None = None) -> tuple[Tensor, Tensor | None]:
+        """x (B, T, C) -> (B, T, C), and the (B, H, T, S) probabilities when ``need_weights`` and the
         backend can give them.
 
         ``residual`` (B, T, C) is added to the output (in eval-mode inference fused into the output projection,
         :func:`.fused.linear_add`). ``queries = n`` (self-attention without a cache) lets only the first ``n``
         positions query (all still serve as keys and values): the output is (B, n, C), e.g. a class token's
-        last layer, whose other positions nothing reads.
-
-        ``kv_cache`` is a layer's preallocated (k, v) pair, each (B, Hkv, S, D): the new keys and values
-        are written at ``cache_pos`` and attention runs over positions ``[0, cache_pos + T)``. With
-        ``cache_pos`` a (T,) long tensor of positions (static shapes, for a compiled decode step) they are
-        written there and attention runs over all S positions: ``attn_mask`` must hide those not yet written.
-        With ``cache_pos`` a (B, 1) tensor (T = 1; a server's batch of sequences at different lengths) row b
-        writes at its own position and attends over the first ``attn_mask.shape[-1]`` positions, the mask
-        hiding each row's unwritten ones.
-
-        Cross-attention takes ``memory`` (Bm, S, C) or its keys and values ``memory_kv`` computed once by
-        :meth:`memory_kv` (a decoder's cache). When ``x`` has ``B = Bm * g`` rows, each group of ``g``
-        consecutive rows (the beams of one sentence) attends to one memory row: the group is folded into
-        the query length, so the memory is never copied per beam. ``attn_mask`` is then (Bm, 1, 1, S).
+        last layer, whose other positions nothing reads. Cross-attention reads ``ctx.memory`` or, given
+        ``memory`` (Bm, S, C), its keys and values computed here.
         """
-        B, T, C = x.shape
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.cross:
-            assert memory is not None or memory_kv is not None, "cross-attention needs memory"
-            k, v = memory_kv if memory_kv is not None else self.memory_kv(memory)
-            Bm = k.shape[0]
-            q = self.q_proj(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
-            if B != Bm:  # fold groups of g rows into the query length: (Bm, H, g*T, D)
-                g = B // Bm
-                q = q.view(Bm, g, H, T, D).transpose(1, 2).reshape(Bm, H, g * T, D)
-                if _capturing():
-                    _record(self, q, k, attn_mask, False)
-                dropout = self.dropout if self.training else 0.0
-                out, weights = self.backend(q, k, v, attn_mask, False, dropout, need_weights)
-                out = out.view(Bm, H, g, T, D).transpose(1, 2).reshape(B, H, T, D).transpose(1, 2).reshape(B, T, C)
-                return self.project(out, residual), weights
-        else:
-            q, k, v = partition_views(  # each (B, H|Hkv, T, D)
-                self.qkv_proj(x), lambda t: t.unflatten(-1, (H + 2 * Hkv, D)).transpose(1, 2).split((H, Hkv, Hkv), 1))
-            if rope is not None:
-                q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
-            if queries is not None:
-                assert kv_cache is None and not is_causal, "queries is for uncached attention without a causal mask"
-                q, T = q[:, :, :queries], queries
-                if attn_mask is not None and attn_mask.shape[-2] > 1:
-                    attn_mask = attn_mask[..., :queries, :]
-            if kv_cache is not None:
-                k_buf, v_buf = kv_cache
-                if isinstance(cache_pos, Tensor) and cache_pos.dim() == 2:  # (B, 1): a position per row
-                    rows = torch.arange(B, device=k.device)
-                    k_buf[rows, :, cache_pos[:, 0]] = k[:, :, 0]
-                    v_buf[rows, :, cache_pos[:, 0]] = v[:, :, 0]
-                    S = attn_mask.shape[-1]  # the mask spans the keys to attend (the longest row + 1)
-                    k, v = k_buf[:, :, :S], v_buf[:, :, :S]
-                elif isinstance(cache_pos, Tensor):  # static shapes: write at the (T,) positions, attend over all
-                    k_buf.index_copy_(2, cache_pos, k)
-                    v_buf.index_copy_(2, cache_pos, v)
-                    k, v = k_buf, v_buf
-                else:
-                    end = cache_pos + T
-                    k_buf[:, :, cache_pos:end] = k
-                    v_buf[:, :, cache_pos:end] = v
-                    k, v = k_buf[:, :, :end], v_buf[:, :, :end]
-        dropout = self.dropout if self.training else 0.0
-        if _capturing():
-            _record(self, q, k, attn_mask, is_causal)
-        out, weights = self.backend(q, k, v, attn_mask, is_causal, dropout, need_weights)
-        out = out.transpose(1, 2).reshape(B, T, C)  # (B, T, H*D)
-        return self.project(out, residual), weights
+        if memory is not None:
+            ctx = ctx._replace(memory=MemoryLayer(*self.memory_kv(memory)))
+        linear_in = self.q_proj if self.cross else self.qkv_proj
+        return self.attend(x, ctx, residual, linear_in, self.project, self.dropout if self.training else 0.0,
+                           need_weights, queries)
 
-    def sequence_eval(self, x: Tensor, attn_mask: Tensor | None, is_causal: bool,
-                      rope: tuple[Tensor, Tensor] | None, residual: Tensor,
-                      memory_kv: tuple[Tensor, Tensor] | None = None) -> Tensor:
-        """``residual + forward(x, ...)[0]`` for an eval-mode pass over whole sequences (no cache, no weights,
-        no ``queries``), called as a plain method: the same computation without the ``nn.Module`` call overhead
-        (a 15-token decoder block: 604 -> 447 us measured; the caller checks eval mode and hooks).
-        x (B, T, C); cross-attention reads ``memory_kv`` (:meth:`memory_kv`, B rows) with ``attn_mask`` the
-        memory's additive mask."""
-        B, T, C = x.shape
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        if self.cross:
-            k, v = memory_kv
-            if k.shape[0] != B:  # beams folded into the query length: forward's path
-                return self.forward(x, memory_kv=memory_kv, attn_mask=attn_mask, residual=residual)[0]
-            q = F.linear(x, self.q_proj.weight, self.q_proj.bias).view(B, T, H, D).transpose(1, 2)
+    def bind(self, rows: int | None = None) -> Callable[[Tensor, Context, Tensor], Tensor]:
+        """The same attention as a plain eval-mode function ``(x, ctx, residual) -> residual + attention(x)``,
+        without ``nn.Module`` call overhead: over whole sequences x (B, T, C) with ``rows`` None (an encoder, a
+        parallel decoder, teacher forcing; the residual fused into the output projection where :mod:`.fused`
+        can), or for one-token decode steps x (B, C) of ``rows`` rows (linear layers through
+        :func:`.fused.decode_linear`: pre-packed weights)."""
+        proj = self.q_proj if self.cross else self.qkv_proj
+        w_out, b_out = self.out_proj.weight, self.out_proj.bias
+        if rows is None:
+            linear_in: Linear = partial(F.linear, weight=proj.weight, bias=proj.bias)
+
+            def linear_out(out: Tensor, residual: Tensor) -> Tensor:
+                return linear_add(out, w_out, b_out, residual)
         else:
-            q, k, v = F.linear(x, self.qkv_proj.weight, self.qkv_proj.bias).view(B, T, H + 2 * Hkv, D) \
-                .transpose(1, 2).split((H, Hkv, Hkv), 1)
-            if rope is not None:
-                q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            linear_in = decode_linear(proj.weight, proj.bias, rows=None if self.cross else rows)
+            out_linear = decode_linear(w_out, b_out, rows=None if self.cross else rows)
+
+            def linear_out(out: Tensor, residual: Tensor) -> Tensor:
+                return residual + out_linear(out)
+        attend = self.attend
+
+        def run(x: Tensor, ctx: Context, residual: Tensor) -> Tensor:
+            return attend(x, ctx, residual, linear_in, linear_out, 0.0, False, None)[0]
+
+        return run
+
+    def attend(self, x: Tensor, ctx: Context, residual: Tensor | None, linear_in: Linear, linear_out: OutLinear,
+               dropout: float, need_weights: bool, queries: int | None) -> tuple[Tensor, Tensor | None]:
+        """The one attention body, with its projections bound by the caller: x (B, T, C) or (B, C) (one position
+        per row) -> (linear_out(heads' output, residual), weights | None).
+
+        Self-attention stores the new keys and values through ``ctx.cache`` and attends over what it returns.
+        Cross-attention reads ``ctx.memory``; when x has ``B = Bm * g`` rows, each group of ``g`` consecutive
+        rows (the beams of one sentence) attends to one memory row: the group is folded into the query length,
+        so the memory is never copied per beam (``ctx.memory_mask`` is then (Bm, 1, 1, S))."""
+        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        B = x.shape[0]
+        T = x.shape[1] if x.dim() == 3 else 1
+        fold = 1
+        if self.cross:
+            if ctx.memory is None:
+                raise ValueError("cross-attention needs memory")
+            k, v = ctx.memory.update(None, None)
+            mask, causal = ctx.memory_mask, False
+            q = linear_in(x).view(B, T, H, D).transpose(1, 2)  # (B, H, T, D)
+            fold = B // k.shape[0]
+            if fold != 1:  # (Bm, H, g*T, D)
+                q = q.view(-1, fold, H, T, D).transpose(1, 2).reshape(-1, H, fold * T, D)
+        else:
+            qkv = linear_in(x)
+            rope = ctx.rope
+            if torch.is_grad_enabled() and qkv.requires_grad:  # gradients into one buffer (partition_views)
+                q, k, v = partition_views(  # each (B, H|Hkv, T, D)
+                    qkv, lambda t, n=T: t.view(B, n, H + 2 * Hkv, D).transpose(1, 2).split((H, Hkv, Hkv), 1))
+                if rope is not None:
+                    q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+            else:
+                qkv = qkv.view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2Hkv, T, D)
+                qk = qkv[:, :H + Hkv] if rope is None else apply_rotary(qkv[:, :H + Hkv], *rope)  # q, k together
+                q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
+            mask, causal = ctx.mask, ctx.is_causal
+            if queries is not None:
+                assert ctx.cache is None and not causal, "queries is for uncached attention without a causal mask"
+                q, T = q[:, :, :queries], queries
+                if mask is not None and mask.shape[-2] > 1:
+                    mask = mask[..., :queries, :]
+            if ctx.cache is not None:
+                k, v = ctx.cache.update(k, v)
         if _capturing():
-            _record(self, q, k, attn_mask, is_causal)
-        out, _ = self.backend(q, k, v, attn_mask, is_causal, 0.0, False)
-        return linear_add(out.transpose(1, 2).reshape(B, T, C), self.out_proj.weight, self.out_proj.bias, residual)
+            _record(self, q, k, mask, causal)
+        out, weights = self.backend(q, k, v, mask, causal, dropout, need_weights)
+        if fold != 1:
+            out = out.view(-1, H, fold, T, D).transpose(1, 2).reshape(B, H, T, D)
+        out = out.transpose(1, 2).reshape((B, T, H * D) if x.dim() == 3 else (B, H * D))
+        return linear_out(out, residual), weights
 
     def project(self, out: Tensor, residual: Tensor | None = None) -> Tensor:
         """The output projection of the heads' concatenation ``out`` (..., C), plus ``residual`` if given."""
@@ -333,87 +379,9 @@ class MultiHeadAttention(nn.Module):
         k, v = self.kv_proj(memory).view(B, -1, 2, self.num_kv_heads, self.head_dim).permute(2, 0, 3, 1, 4)
         return k, v
 
-    def inference_step(self, kv: Tensor) -> Callable[[Tensor, int, Tensor | None, tuple[Tensor, Tensor] | None],
-                                                     Tensor]:
-        """A plain function for one eval-mode decode step of self-attention over the cache ``kv``
-        (2, B, Hkv, max_len, D), the same computation as ``forward`` with T = 1, without module overhead,
-        on one position per row (2-D ``x``, so each linear is a single matrix product)::
-
-            step(x (B, C), pos, attn_mask (B|1, H|1, 1, pos + 1) | None, rope) -> (B, C)
-
-        writes the new key and value at ``pos`` and attends over positions ``[0, pos]``. With ``pos`` a (B, 1)
-        tensor (rows at different lengths), row b writes at ``pos[b]`` and attends over the first
-        ``attn_mask.shape[-1]`` positions, the mask (B, 1|H, 1, S) hiding each row's later ones.
-        """
-        if self.cross:
-            raise ValueError("inference_step is for self-attention")
-        H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
-        w_in, b_in = self.qkv_proj.weight, self.qkv_proj.bias
-        w_out, b_out = self.out_proj.weight, self.out_proj.bias
-        backend = self.backend
-        k_buf, v_buf = kv[0], kv[1]  # (B, Hkv, max_len, D) each
-        qkv_linear = decode_linear(w_in, b_in, rows=kv.shape[1])
-        out_linear = decode_linear(w_out, b_out, rows=kv.shape[1])
-
-        def step(x: Tensor, pos: int | Tensor, attn_mask: Tensor | None,
-                 rope: tuple[Tensor, Tensor] | None) -> Tensor:
-            B = x.shape[0]
-            qkv = qkv_linear(x).view(B, H + 2 * Hkv, 1, D)  # (B, H + 2Hkv, T=1, D): no transpose
-            if isinstance(pos, Tensor):  # (B, 1): rows at different lengths (a server's running batch)
-                qk = qkv[:, :H + Hkv] if rope is None else apply_rotary(qkv[:, :H + Hkv], *rope)
-                rows = torch.arange(B, device=x.device)
-                k_buf[rows, :, pos[:, 0]] = qk[:, H:, 0]
-                v_buf[rows, :, pos[:, 0]] = qkv[:, H + Hkv:, 0]
-                S = attn_mask.shape[-1]  # the mask hides each row's positions past its own
-                if backend is sdpa_attention and Hkv == H and x.device.type == "cpu":
-                    out = _masked_one_query(qk[:, :H], k_buf[:, :, :S], v_buf[:, :, :S], attn_mask)
-                else:
-                    out, _ = backend(qk[:, :H], k_buf[:, :, :S], v_buf[:, :, :S], attn_mask, False, 0.0, False)
-                return out_linear(out.reshape(B, H * D))
-            end = pos + 1
-            if rope is None:
-                q = qkv[:, :H]
-                kv[:, :, :, pos:end] = qkv[:, H:].view(B, 2, Hkv, 1, D).transpose(0, 1)  # (2, B, Hkv, 1, D)
-            else:
-                qk = apply_rotary(qkv[:, :H + Hkv], *rope)  # q and k rotated together: (B, H + Hkv, 1, D)
-                q = qk[:, :H]
-                k_buf[:, :, pos:end] = qk[:, H:]
-                v_buf[:, :, pos:end] = qkv[:, H + Hkv:]
-            out, _ = backend(q, k_buf[:, :, :end], v_buf[:, :, :end], attn_mask, False, 0.0, False)
-            return out_linear(out.reshape(B, H * D))  # (B, H, 1, D) -> (B, C)
-
-        return step
-
-    def cross_inference_step(self, memory_kv: tuple[Tensor, Tensor],
-                             memory_mask: Tensor | None) -> Callable[[Tensor], Tensor]:
-        """A plain function for one eval-mode decode step of cross-attention over precomputed memory keys and
-        values (:meth:`memory_kv`, each (Bm, Hkv, S, D)) and the memory's additive mask (Bm, 1, 1, S) | None,
-        the same computation as ``forward`` with T = 1, on one position per row::
-
-            step(x (B, C)) -> (B, C)      # B = Bm * g: each group of g rows (beams) attends to one memory row
-
-        The group is folded into the query length, as in ``forward``.
-        """
-        if not self.cross:
-            raise ValueError("cross_inference_step is for cross-attention")
-        H, D = self.num_heads, self.head_dim
-        w_q, b_q = self.q_proj.weight, self.q_proj.bias
-        w_out, b_out = self.out_proj.weight, self.out_proj.bias
-        backend = self.backend
-        k, v = memory_kv
-        Bm = k.shape[0]
-        q_linear, out_linear = decode_linear(w_q, b_q), decode_linear(w_out, b_out)
-
-        def step(x: Tensor) -> Tensor:
-            B = x.shape[0]
-            q = q_linear(x).view(Bm, B // Bm, H, D).transpose(1, 2)  # (Bm, H, g, D)
-            out, _ = backend(q, k, v, memory_mask, False, 0.0, False)  # (Bm, H, g, D)
-            return out_linear(out.transpose(1, 2).reshape(B, H * D))
-
-        return step
-
 
 from .linear_attention import LinformerAttention, PerformerAttention  # noqa: E402  (they register here)
 
 ATTENTION_BACKENDS.register("performer")(PerformerAttention)
 ATTENTION_BACKENDS.register("linformer")(LinformerAttention)
+load_backend_files()  # the backends in files of their own (tokenloom/nn/backends/)

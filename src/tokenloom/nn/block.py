@@ -6,47 +6,60 @@
 A decoder block of an encoder-decoder model adds a cross-attention sublayer between the two.
 Shapes: x (B, T, C); memory (B, S, C).
 
-``inference_step(kv, memory_kv, memory_mask)`` returns a plain function for one eval-mode decode step of
-a block over its self-attention cache ``kv`` (and, for a decoder block with cross-attention, the memory's
-precomputed keys and values and its additive mask), on x (B, C) (one position per row), computed without
-``nn.Module`` call overhead; see :meth:`MultiHeadAttention.inference_step` and
-:meth:`MultiHeadAttention.cross_inference_step`. A cross-attention block given no ``memory_kv`` returns None.
+Each placement's residual arithmetic is written once, as a body over bound sublayers (:func:`pre_norm`,
+:func:`post_norm`): every sublayer is a callable ``(h, ctx, residual) -> residual + sublayer(h)``. The three ways a
+block runs bind that one body differently:
 
-``sequence_eval(x, attn_mask, is_causal, rope, memory_kv, memory_mask)`` is ``forward(x, ...)[0]`` for
-eval-mode passes over whole sequences (an encoder, a non-autoregressive decoder, teacher forcing) as plain
-method calls, without the ``nn.Module`` call overhead; :func:`plain_eval` tells when callers may use it.
+* ``forward(x, ctx, need_weights=, queries=)``: the modules (hooks fire); in training with dropout on each
+  branch; in eval mode each residual add fused into the sublayer's last linear layer where :mod:`.fused` can.
+* ``bind()``: plain functions ``(x (B, T, C), ctx) -> (B, T, C)`` for eval-mode passes over whole sequences (an
+  encoder, a parallel decoder, teacher forcing) without the ``nn.Module`` call overhead;
+  :func:`plain_eval` tells when callers may use it.
+* ``bind(rows)``: plain functions for one eval-mode decode step, x (B, C) of ``rows`` rows (pre-packed linear
+  layers, :func:`.fused.decode_linear`).
 
+``ctx`` is the attention :class:`~.attention.Context` of the layer (mask, rotary angles, its cache views).
 ``forward(x, queries=n)`` lets only the first ``n`` positions query (a class token's last layer): (B, n, C).
-In eval mode the residual adds are fused into the sublayers' last linear layers where :mod:`.fused` can.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import NamedTuple
 
 from torch import Tensor, nn
 
 from ..registry import Registry
-from .attention import MultiHeadAttention
+from .attention import NO_CONTEXT, Context, MultiHeadAttention
 from .dropout import Dropout
+from .fused import decode_linear
 from .mlp import create_mlp
 from .norms import create_norm
 
 BLOCKS: Registry[type[nn.Module]] = Registry("norm placement")
 
+Sublayer = Callable[[Tensor, Context, Tensor], Tensor]  # (h, ctx, residual) -> residual + sublayer(h)
+Norm = Callable[[Tensor], Tensor]
+BlockFunction = Callable[[Tensor, Context], Tensor]
 
-Rope = tuple[Tensor, Tensor] | None
-StepFunction = Callable[[Tensor, int, Tensor | None, Rope], Tensor]
+
+def pre_norm(x: Tensor, ctx: Context, attn: Sublayer, cross: Sublayer | None, mlp: Sublayer, norm1: Norm,
+             norm_cross: Norm | None, norm2: Norm) -> Tensor:
+    """The pre-norm residual arithmetic (GPT-2, Llama, ViT, Swin)."""
+    x = attn(norm1(x), ctx, x)
+    if cross is not None:
+        x = cross(norm_cross(x), ctx, x)
+    return mlp(norm2(x), ctx, x)
 
 
-class DecodePlan(NamedTuple):
-    """Plain functions for one-token eval steps of a decoder, bound to one cache (kept on ``cache.plan``)."""
-
-    steps: list[StepFunction]  # per block: (x (B, C), pos, attn_mask, rope) -> (B, C)
-    final_norm: Callable[[Tensor], Tensor]
-    embed: Callable[[Tensor], Tensor]  # ids (any shape) -> embeddings (..., C)
-    head: Callable[[Tensor], Tensor]  # (..., C) -> (..., V)
+def post_norm(x: Tensor, ctx: Context, attn: Sublayer, cross: Sublayer | None, mlp: Sublayer, norm1: Norm,
+              norm_cross: Norm | None, norm2: Norm) -> Tensor:
+    """The post-norm residual arithmetic (the original Transformer)."""
+    x = norm1(attn(x, ctx, x))
+    if cross is not None:
+        x = norm_cross(cross(x, ctx, x))
+    return norm2(mlp(x, ctx, x))
 
 
 def has_forward_hooks(module: nn.Module) -> bool:
@@ -56,7 +69,7 @@ def has_forward_hooks(module: nn.Module) -> bool:
 
 
 def plain_eval(module: nn.Module) -> bool:
-    """Whether the blocks of ``module`` may run as plain method calls (:meth:`PreNormBlock.sequence_eval`): it
+    """Whether the blocks of ``module`` may run as plain method calls (``block.bind()``): it
     and every submodule in eval mode, and no forward hooks that the plain calls would bypass."""
     return not module.training and not _global_hooks() and not _below(module, training=True)
 
@@ -83,22 +96,26 @@ def inference_function(module: nn.Module, **kwargs) -> Callable[[Tensor], Tensor
 
 
 class _Block(nn.Module):
+    body = staticmethod(pre_norm)
+
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *, hidden_dim: int,
                  mlp: str = "gelu", norm: str = "layernorm", attention: str = "sdpa", dropout: float = 0.0,
                  bias: bool = True, cross_attention: bool = False, norm_eps: float | None = None,
-                 attention_dropout: float | None = None, attention_options: dict | None = None) -> None:
+                 attention_dropout: float | None = None, attention_options: dict | None = None,
+                 make_attention: Callable[..., nn.Module] = MultiHeadAttention) -> None:
         super().__init__()
         attention_dropout = dropout if attention_dropout is None else attention_dropout
-        self.attn = MultiHeadAttention(embed_dim, num_heads, num_kv_heads, bias=bias, dropout=attention_dropout,
-                                       backend=attention, attention_options=attention_options)
+        self.attn = make_attention(embed_dim, num_heads, num_kv_heads, bias=bias, dropout=attention_dropout,
+                                   backend=attention, attention_options=attention_options)
         self.norm1 = create_norm(norm, embed_dim, bias=bias, eps=norm_eps)
         if cross_attention:
-            self.cross_attn = MultiHeadAttention(embed_dim, num_heads, num_kv_heads, bias=bias,
-                                                 dropout=attention_dropout, backend=attention, cross=True,
-                                                 attention_options=attention_options)
+            self.cross_attn = make_attention(embed_dim, num_heads, num_kv_heads, bias=bias,
+                                             dropout=attention_dropout, backend=attention, cross=True,
+                                             attention_options=attention_options)
             self.norm_cross = create_norm(norm, embed_dim, bias=bias, eps=norm_eps)
         else:
             self.cross_attn = None
+            self.norm_cross = None
         self.mlp = create_mlp(mlp, embed_dim, hidden_dim, bias=bias, dropout=dropout)
         self.norm2 = create_norm(norm, embed_dim, bias=bias, eps=norm_eps)
         self.resid_dropout = Dropout(dropout)
@@ -109,120 +126,112 @@ class _Block(nn.Module):
         submodules (the fused kernels would bypass them)."""
         return not self.training and not has_forward_hooks(self)
 
-    def mlp_add(self, residual: Tensor, x: Tensor) -> Tensor:
-        """``residual + mlp(x)`` through the MLP's ``add_to`` where it has one."""
-        add_to = getattr(self.mlp, "add_to", None)
-        return add_to(residual, x) if add_to is not None else residual + self.mlp(x)
+    def forward(self, x: Tensor, ctx: Context = NO_CONTEXT, *, memory: Tensor | None = None,
+                need_weights: bool = False, queries: int | None = None) -> tuple[Tensor, Tensor | None]:
+        """x (B, T, C) -> (B, T, C) (or (B, n, C) with ``queries=n``), and the self-attention probabilities when
+        ``need_weights`` and the backend gives them. A cross-attention block reads ``ctx.memory`` or ``memory``."""
+        weights: list[Tensor | None] = [None]
+        fused = self.residual_form()
+        attn_module, cross_module, mlp_module = self.attn, self.cross_attn, self.mlp
+        dropout = self.resid_dropout
 
-    def _inference_parts(self, kv: Tensor, memory_kv: tuple[Tensor, Tensor] | None,
-                         memory_mask: Tensor | None) -> tuple[Callable, ...] | None:
-        """(attention step over ``kv``, norm1, cross-attention step | None, its norm | None, norm2, mlp) as
-        plain functions for a decode step; None when the block has cross-attention but no ``memory_kv``."""
-        cross = cross_norm = None
-        if self.cross_attn is not None:
-            if memory_kv is None:
-                return None
-            cross = self.cross_attn.cross_inference_step(memory_kv, memory_mask)
-            cross_norm = inference_function(self.norm_cross)
-        return (self.attn.inference_step(kv), inference_function(self.norm1), cross, cross_norm,
-                inference_function(self.norm2), inference_function(self.mlp, rows=kv.shape[1]))
+        def attn(h: Tensor, ctx: Context, residual: Tensor) -> Tensor:
+            keep = residual if queries is None else residual[:, :queries]
+            if fused:
+                out, weights[0] = attn_module(h, ctx, residual=keep, need_weights=need_weights, queries=queries)
+                return out
+            out, weights[0] = attn_module(h, ctx, need_weights=need_weights, queries=queries)
+            return keep + dropout(out)
+
+        def cross(h: Tensor, ctx: Context, residual: Tensor) -> Tensor:
+            if fused:
+                return cross_module(h, ctx, memory=memory, residual=residual)[0]
+            return residual + dropout(cross_module(h, ctx, memory=memory)[0])
+
+        def mlp(h: Tensor, ctx: Context, residual: Tensor) -> Tensor:
+            return mlp_add(mlp_module, residual, h) if fused else residual + mlp_module(h)
+
+        x = self.body(x, ctx, attn, cross if cross_module is not None else None, mlp, self.norm1, self.norm_cross,
+                      self.norm2)
+        return x, weights[0]
+
+    def bind(self, rows: int | None = None) -> BlockFunction:
+        """The block as a plain eval-mode function ``(x, ctx) -> x`` (see the module docstring): whole sequences
+        with ``rows`` None, one-token decode steps of ``rows`` rows (x (B, C)) otherwise."""
+        attn = self.attn.bind(rows)
+        cross = self.cross_attn.bind(rows) if self.cross_attn is not None else None
+        if rows is None:
+            mlp_module = self.mlp
+
+            def mlp(h: Tensor, ctx: Context, residual: Tensor) -> Tensor:
+                return mlp_add(mlp_module, residual, h)
+        else:
+            mlp_function = inference_function(self.mlp, rows=rows)
+
+            def mlp(h: Tensor, ctx: Context, residual: Tensor) -> Tensor:
+                return residual + mlp_function(h)
+        norm1, norm2 = inference_function(self.norm1), inference_function(self.norm2)
+        norm_cross = inference_function(self.norm_cross) if self.norm_cross is not None else None
+        body = self.body
+
+        def block(x: Tensor, ctx: Context) -> Tensor:
+            return body(x, ctx, attn, cross, mlp, norm1, norm_cross, norm2)
+
+        return block
+
+
+def mlp_add(mlp: nn.Module, residual: Tensor, x: Tensor) -> Tensor:
+    """``residual + mlp(x)`` through the MLP's ``add_to`` where it has one (fused in eval mode)."""
+    add_to = getattr(mlp, "add_to", None)
+    return add_to(residual, x) if add_to is not None else residual + mlp(x)
 
 
 @BLOCKS.register("pre")
 class PreNormBlock(_Block):
-    def forward(self, x: Tensor, *, memory: Tensor | None = None, memory_mask: Tensor | None = None,
-                memory_kv: tuple[Tensor, Tensor] | None = None, need_weights: bool = False,
-                queries: int | None = None, **attn_kwargs) -> tuple[Tensor, Tensor | None]:
-        keep = x if queries is None else x[:, :queries]
-        if self.residual_form():
-            x, weights = self.attn(self.norm1(x), need_weights=need_weights, residual=keep, queries=queries,
-                                   **attn_kwargs)
-            if self.cross_attn is not None:
-                x, _ = self.cross_attn(self.norm_cross(x), memory=memory, memory_kv=memory_kv,
-                                       attn_mask=memory_mask, residual=x)
-            return self.mlp_add(x, self.norm2(x)), weights
-        h, weights = self.attn(self.norm1(x), need_weights=need_weights, queries=queries, **attn_kwargs)
-        x = keep + self.resid_dropout(h)
-        if self.cross_attn is not None:
-            h, _ = self.cross_attn(self.norm_cross(x), memory=memory, memory_kv=memory_kv, attn_mask=memory_mask)
-            x = x + self.resid_dropout(h)
-        return x + self.mlp(self.norm2(x)), weights
-
-    def sequence_eval(self, x: Tensor, attn_mask: Tensor | None, is_causal: bool, rope: Rope,
-                      memory_kv: tuple[Tensor, Tensor] | None = None, memory_mask: Tensor | None = None) -> Tensor:
-        """``forward(x, ...)[0]`` in eval mode as plain method calls (see :func:`plain_eval`); a block with
-        cross-attention reads ``memory_kv`` (its :meth:`MultiHeadAttention.memory_kv`)."""
-        x = self.attn.sequence_eval(self.norm1.forward(x), attn_mask, is_causal, rope, x)
-        if self.cross_attn is not None:
-            x = self.cross_attn.sequence_eval(self.norm_cross.forward(x), memory_mask, False, None, x, memory_kv)
-        return self.mlp_add(x, self.norm2.forward(x))
-
-    def inference_step(self, kv: Tensor, memory_kv: tuple[Tensor, Tensor] | None = None,
-                       memory_mask: Tensor | None = None) -> StepFunction | None:
-        parts = self._inference_parts(kv, memory_kv, memory_mask)
-        if parts is None:
-            return None
-        attn, norm1, cross, cross_norm, norm2, mlp = parts
-
-        if cross is None:
-            def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: Rope) -> Tensor:
-                x = x + attn(norm1(x), pos, attn_mask, rope)
-                return x + mlp(norm2(x))
-        else:
-            def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: Rope) -> Tensor:
-                x = x + attn(norm1(x), pos, attn_mask, rope)
-                x = x + cross(cross_norm(x))
-                return x + mlp(norm2(x))
-
-        return step
+    body = staticmethod(pre_norm)
 
 
 @BLOCKS.register("post")
 class PostNormBlock(_Block):
-    def forward(self, x: Tensor, *, memory: Tensor | None = None, memory_mask: Tensor | None = None,
-                memory_kv: tuple[Tensor, Tensor] | None = None, need_weights: bool = False,
-                queries: int | None = None, **attn_kwargs) -> tuple[Tensor, Tensor | None]:
-        keep = x if queries is None else x[:, :queries]
-        if self.residual_form():
-            h, weights = self.attn(x, need_weights=need_weights, residual=keep, queries=queries, **attn_kwargs)
-            x = self.norm1(h)
-            if self.cross_attn is not None:
-                h, _ = self.cross_attn(x, memory=memory, memory_kv=memory_kv, attn_mask=memory_mask, residual=x)
-                x = self.norm_cross(h)
-            return self.norm2(self.mlp_add(x, x)), weights
-        h, weights = self.attn(x, need_weights=need_weights, queries=queries, **attn_kwargs)
-        x = self.norm1(keep + self.resid_dropout(h))
-        if self.cross_attn is not None:
-            h, _ = self.cross_attn(x, memory=memory, memory_kv=memory_kv, attn_mask=memory_mask)
-            x = self.norm_cross(x + self.resid_dropout(h))
-        return self.norm2(x + self.mlp(x)), weights
+    body = staticmethod(post_norm)
 
-    def sequence_eval(self, x: Tensor, attn_mask: Tensor | None, is_causal: bool, rope: Rope,
-                      memory_kv: tuple[Tensor, Tensor] | None = None, memory_mask: Tensor | None = None) -> Tensor:
-        """``forward(x, ...)[0]`` in eval mode as plain method calls (see :func:`plain_eval`)."""
-        x = self.norm1.forward(self.attn.sequence_eval(x, attn_mask, is_causal, rope, x))
-        if self.cross_attn is not None:
-            x = self.norm_cross.forward(self.cross_attn.sequence_eval(x, memory_mask, False, None, x, memory_kv))
-        return self.norm2.forward(self.mlp_add(x, x))
 
-    def inference_step(self, kv: Tensor, memory_kv: tuple[Tensor, Tensor] | None = None,
-                       memory_mask: Tensor | None = None) -> StepFunction | None:
-        parts = self._inference_parts(kv, memory_kv, memory_mask)
-        if parts is None:
-            return None
-        attn, norm1, cross, cross_norm, norm2, mlp = parts
+class StepFunctions(NamedTuple):
+    """A decoder's one-token eval step as plain functions (x (B, C) per row), for one batch size."""
 
-        if cross is None:
-            def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: Rope) -> Tensor:
-                x = norm1(x + attn(x, pos, attn_mask, rope))
-                return norm2(x + mlp(x))
-        else:
-            def step(x: Tensor, pos: int, attn_mask: Tensor | None, rope: Rope) -> Tensor:
-                x = norm1(x + attn(x, pos, attn_mask, rope))
-                x = cross_norm(x + cross(x))
-                return norm2(x + mlp(x))
+    blocks: list[BlockFunction]
+    final_norm: Norm
+    head: Callable[[Tensor], Tensor]  # (B, C) -> (B, V)
 
-        return step
+
+# cache -> (model, rows, StepFunctions | None): built once per cache and batch size, held only while the cache lives
+_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def step_functions(model: nn.Module, cache, blocks: nn.ModuleList, final_norm: nn.Module,
+                   head: nn.Linear) -> StepFunctions | None:
+    """The plain one-token step of ``model`` (its ``blocks``, ``final_norm`` and output layer ``head``) for
+    ``cache``'s batch size, built on first use and kept while ``cache`` lives (beam search's ``select``, which
+    changes the batch size, builds it anew); None when forward hooks watch a submodule (the modules run then).
+    The one builder behind every model's fast decode path: nothing is stored on the cache or the model."""
+    rows = cache.batch_size
+    entry = _STEPS.get(cache)
+    if entry is not None and entry[0] is model and entry[1] == rows:
+        return entry[2]
+    functions = None
+    if not has_forward_hooks(model):
+        functions = StepFunctions(blocks=[block.bind(rows) for block in blocks],
+                                  final_norm=inference_function(final_norm),
+                                  head=decode_linear(head.weight, head.bias, rows=rows))
+    _STEPS[cache] = (model, rows, functions)
+    return functions
+
+
+def runs_plain(cache) -> bool | None:
+    """Whether one-token steps over ``cache`` run as plain functions (True), call the modules because hooks watch
+    them (False), or have not run yet (None): what tests of the fast path check."""
+    entry = _STEPS.get(cache)
+    return None if entry is None else entry[2] is not None
 
 
 def create_block(norm_placement: str, *args, **kwargs) -> nn.Module:

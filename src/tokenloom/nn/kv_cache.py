@@ -1,22 +1,144 @@
-"""A preallocated key/value cache for incremental decoding."""
+"""Key/value caches for incremental decoding, as strategies behind one protocol.
+
+Attention sees one layer of a cache through :class:`LayerCache`::
+
+    k, v = layer.update(k_new, v_new)   # store the new keys and values, get the ones to attend over
+
+and a model sees the whole cache through :class:`DecodeCache`: its ``layers``, the :class:`~.masks.KeySpan` of a
+call (which key positions the new queries may see, what the one mask builder :func:`~.masks.attention_mask` turns
+into the mask), ``advance`` and ``plain`` (whether the plain one-token functions may run on it). The strategies:
+
+* :class:`KVCache` (dense): one preallocated (L, 2, B, Hkv, M, D) tensor; a call writes its T positions at
+  ``[length, length + T)`` and attends over ``[0, length + T)``: training-free prefill and eager decoding.
+* :class:`StaticView` (static shapes, for a compiled step) over a :class:`StaticKVCache`'s separate per-layer
+  tensors, written at a position given as a tensor, attention over all M positions with a mask hiding the unwritten ones
+  (:mod:`tokenloom.generation.compiled`).
+* :class:`RaggedView` (rows at different lengths, a server's running batch): row b writes at its own
+  ``lengths[b]`` and attends over the first ``max(lengths) + 1`` positions, the mask hiding each row's later ones.
+* :class:`MemoryLayer`: an encoder's keys and values for cross-attention, computed once; ``update`` returns them.
+
+A paged cache joins as one more class with these methods.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Protocol
 
 import torch
 from torch import Tensor
 
+from .masks import KeySpan
 
-class KVCache:
-    """Keys and values of every layer, preallocated to ``max_len`` positions.
+
+class LayerCache(Protocol):
+    """One layer's keys and values as attention sees them."""
+
+    def update(self, k: Tensor | None, v: Tensor | None) -> tuple[Tensor, Tensor]:
+        """Store ``k``, ``v`` (B, Hkv, T, D) of the new positions; return the keys and values to attend over."""
+        ...
+
+
+class DecodeCache(Protocol):
+    """A whole model's cache as the models' ``forward_features`` uses it."""
+
+    layers: list[LayerCache]
+    plain: bool  # the plain one-token step functions may run on it (False: call the modules, e.g. compiled)
+
+    @property
+    def batch_size(self) -> int: ...
+
+    def span(self, T: int, attention_mask: Tensor | None) -> KeySpan: ...
+
+    def advance(self, n: int) -> None: ...
+
+
+class DenseLayer:
+    """Writes T new positions at the owner's ``length``; attends over ``[0, length + T)``."""
+
+    __slots__ = ("k", "v", "owner")
+
+    def __init__(self, k: Tensor, v: Tensor, owner) -> None:
+        self.k, self.v, self.owner = k, v, owner
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        start = self.owner.length
+        end = start + k.shape[-2]
+        self.k[:, :, start:end] = k
+        self.v[:, :, start:end] = v
+        return self.k[:, :, :end], self.v[:, :, :end]
+
+
+class StaticLayer:
+    """Writes at the owner's ``pos`` ((T,) long tensor) and attends over all M positions (static shapes)."""
+
+    __slots__ = ("k", "v", "owner")
+
+    def __init__(self, k: Tensor, v: Tensor, owner) -> None:
+        self.k, self.v, self.owner = k, v, owner
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        self.k.index_copy_(2, self.owner.pos, k)
+        self.v.index_copy_(2, self.owner.pos, v)
+        return self.k, self.v
+
+
+class RaggedLayer:
+    """Row b writes its one new position at ``owner.lengths[b]``; attends over the first ``owner.keys``."""
+
+    __slots__ = ("k", "v", "owner", "rows")
+
+    def __init__(self, k: Tensor, v: Tensor, owner) -> None:
+        self.k, self.v, self.owner = k, v, owner
+        self.rows = torch.arange(k.shape[0], device=k.device)
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        at = self.owner.lengths
+        self.k[self.rows, :, at] = k[:, :, 0]
+        self.v[self.rows, :, at] = v[:, :, 0]
+        S = self.owner.keys
+        return self.k[:, :, :S], self.v[:, :, :S]
+
+
+class MemoryLayer:
+    """Cross-attention keys and values (Bm, Hkv, S, D) of an encoder's memory, computed once."""
+
+    __slots__ = ("k", "v")
+
+    def __init__(self, k: Tensor, v: Tensor) -> None:
+        self.k, self.v = k, v
+
+    def update(self, k: Tensor | None = None, v: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return self.k, self.v
+
+
+class DenseCache:
+    """What the dense strategies share: ``length`` positions written of ``max_len``; a call's T new queries sit at
+    ``[length, length + T)`` and see keys ``[0, length + T)``."""
+
+    plain = True
+    length: int
+    max_len: int
+    layers: list[LayerCache]
+
+    def span(self, T: int, attention_mask: Tensor | None) -> KeySpan:
+        """``attention_mask`` (B, length + T) marks padding (0)."""
+        past = self.length
+        return KeySpan(past, past + T, None, None if attention_mask is None else attention_mask.bool())
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def reset(self) -> None:
+        self.length = 0
+
+
+class KVCache(DenseCache):
+    """The dense strategy: keys and values of every layer, preallocated to ``max_len`` positions.
 
     ``kv`` is (L, 2, B, Hkv, max_len, D); ``k`` and ``v`` are its (L, B, Hkv, max_len, D) halves (views),
-    kept in one tensor so a decode step can write a layer's new key and value with one copy.
-    ``length`` counts the positions already written. A model's forward writes its new positions
-    through :meth:`layer` views and then calls :meth:`advance`. ``plan`` holds whatever per-generation
-    state the model attaches (GPT keeps its fast decode-step functions there); :meth:`reset` drops it.
-    Example::
+    kept in one tensor so rows can be gathered, copied and dropped in one operation. ``length`` counts the
+    positions already written; a model's forward writes its new positions through :attr:`layers` and then
+    calls :meth:`advance`. Example::
 
         cache = model.create_cache(batch_size=1, max_len=128)
         logits = model(prompt_ids, cache=cache)          # prefill: cache.length == T
@@ -36,23 +158,11 @@ class KVCache:
 
     def layer(self, i: int) -> tuple[Tensor, Tensor]:
         """Layer ``i``'s (k, v) buffers, each (B, Hkv, max_len, D)."""
-        return self._layers[i]
-
-    def layer_kv(self, i: int) -> Tensor:
-        """Layer ``i``'s keys and values as one (2, B, Hkv, max_len, D) view."""
-        return self.kv[i]
-
-    def advance(self, n: int) -> None:
-        self.length += n
-
-    def reset(self) -> None:
-        self.length = 0
-        self.plan = None
+        return self.k[i], self.v[i]
 
     def select(self, index: Tensor) -> None:
         """Keep only batch rows ``index`` (any number; row ``i`` becomes the old row ``index[i]``), in new
-        storage: decoding drops the rows that finished. The :meth:`layer` views are rebuilt and ``plan`` is
-        dropped (a model rebuilds it on its next step)."""
+        storage: decoding drops the rows that finished. The :attr:`layers` are rebuilt."""
         L, two, _, Hkv, max_len, D = self.kv.shape
         kv = self.kv.new_empty((L, two, index.numel(), Hkv, max_len, D))
         n = self.length
@@ -63,14 +173,13 @@ class KVCache:
     def _set_storage(self, kv: Tensor) -> None:
         self.kv = kv
         self.k, self.v = kv[:, 0], kv[:, 1]
-        self._layers = [(self.k[i], self.v[i]) for i in range(kv.shape[0])]
+        self.layers: list[LayerCache] = [DenseLayer(self.k[i], self.v[i], self) for i in range(kv.shape[0])]
         self._spare: Tensor | None = None  # reorder's gather buffer, allocated on first use
-        self.plan: Any = None
 
     def reorder(self, index: Tensor) -> None:
         """Keep batch rows ``index`` (beam search): row ``i`` becomes the old row ``index[i]``. The rows are
         gathered and copied back into the same storage (only the ``length`` positions written so far), so
-        the :meth:`layer` views and a model's ``plan`` bound to them stay valid."""
+        the :attr:`layers` stay valid."""
         kv = self.kv[..., :self.length, :] if 0 < self.length < self.max_len else self.kv
         if self._spare is None:
             self._spare = torch.empty_like(self.kv)
@@ -79,3 +188,88 @@ class KVCache:
         # on CPU (measured: 7.9 vs 28.6 ms for a (3, 2, 320, 4, 30, 64) float32 cache)
         torch.index_select(kv, 2, index, out=spare)
         kv.copy_(spare)
+
+    def copy_rows(self, row: int, source: KVCache, source_row: int, n: int) -> None:
+        """Copy the first ``n`` positions of ``source``'s row ``source_row`` (``source`` may be this cache) into
+        row ``row``: a server moving a prefilled prompt into its running batch, or a last row into a freed one."""
+        self.kv[:, :, row, :, :n] = source.kv[:, :, source_row, :, :n]
+
+    def ragged(self, rows: int, lengths: Tensor) -> RaggedView:
+        """The first ``rows`` rows as a :class:`RaggedView` whose row b is ``lengths[b]`` long (a view: no copy)."""
+        return RaggedView(self.k[:, :rows], self.v[:, :rows], lengths)
+
+
+class RaggedView:
+    """The ragged strategy: rows at different lengths (continuous batching), one new position each.
+
+    ``k``, ``v`` (L, B, Hkv, M, D) views of a dense cache's first B rows; ``lengths`` (B,) each row's cached
+    positions, which is also where its new key and value go (its position). The caller advances ``lengths``.
+    """
+
+    plain = True
+
+    def __init__(self, k: Tensor, v: Tensor, lengths: Tensor) -> None:
+        self.layers: list[LayerCache] = [RaggedLayer(k[i], v[i], self) for i in range(k.shape[0])]
+        self.lengths, self.keys = lengths, 0
+        self._batch = k.shape[1]
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch
+
+    def span(self, T: int, attention_mask: Tensor | None) -> KeySpan:
+        if T != 1:
+            raise ValueError(f"a ragged cache takes one new position per row, got {T}")
+        self.keys = int(self.lengths.max()) + 1
+        return KeySpan(None, self.keys, self.lengths[:, None], None)
+
+    def advance(self, n: int) -> None:
+        """Nothing: the caller owns ``lengths``."""
+
+
+class StaticKVCache(DenseCache):
+    """The cache of compiled decoding: separate (B, Hkv, M, D) key and value tensors per layer, which a compiled
+    step writes in place (as views of one storage, each write made the compiled graph copy the whole storage:
+    11 ms a step for the 4-layer model at batch 8). The eager prefill uses it as a dense cache; the compiled steps
+    see it through :meth:`static`."""
+
+    def __init__(self, cache: KVCache) -> None:
+        self.max_len, self.length = cache.max_len, cache.length
+        self.tensors = [(torch.zeros_like(k), torch.zeros_like(v)) for k, v in (cache.layer(i)
+                                                                             for i in range(cache.k.shape[0]))]
+        self.layers: list[LayerCache] = [DenseLayer(k, v, self) for k, v in self.tensors]
+
+    @property
+    def batch_size(self) -> int:
+        return self.tensors[0][0].shape[0]
+
+    def layer(self, i: int) -> tuple[Tensor, Tensor]:
+        return self.tensors[i]
+
+    def static(self, pos: Tensor, key_mask: Tensor | None) -> StaticView:
+        """The same tensors as a :class:`StaticView` written at ``pos``."""
+        return StaticView(self.tensors, pos, key_mask)
+
+
+class StaticView:
+    """The static strategy: per-layer (B, Hkv, M, D) tensors written at ``pos`` ((1,) long tensor), attention over
+    all M positions, ``key_mask`` (B, M) bool | None hiding each row's prompt padding. Every call has the same
+    shapes, so a compiled step compiles once; the caller fills ``pos`` and advances."""
+
+    plain = False  # the modules run (inside torch.compile)
+
+    def __init__(self, layers: list[tuple[Tensor, Tensor]], pos: Tensor, key_mask: Tensor | None) -> None:
+        self.layers: list[LayerCache] = [StaticLayer(k, v, self) for k, v in layers]
+        self.pos, self.key_mask = pos, key_mask
+        self.keys = layers[0][0].shape[-2]
+        self._batch = layers[0][0].shape[0]
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch
+
+    def span(self, T: int, attention_mask: Tensor | None) -> KeySpan:
+        return KeySpan(None, self.keys, self.pos[None], self.key_mask)
+
+    def advance(self, n: int) -> None:
+        """Nothing: the caller advances (no Python state changes inside a compiled step)."""

@@ -24,6 +24,7 @@ attention weights.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
@@ -94,15 +95,42 @@ def _draw(num_features: int, dim: int, seed: int, draws: int, device: torch.devi
     return orthogonal_random_features(num_features, dim, generator).to(device)
 
 
-class PerformerAttention(nn.Module):
-    """FAVOR+ attention (see the module docstring). ``num_features`` 0 = ``round(D ln D)``, the paper's choice."""
+@dataclass
+class PerformerOptions:
+    """``attention_options`` of ``attention: performer``."""
 
-    def __init__(self, num_heads: int, head_dim: int, *, performer_features: int = 0, performer_redraw: int = 0,
-                 chunk: int = 128, **_) -> None:
+    features: int = 0  # random features per head; 0 = round(head_dim * ln head_dim), the paper's choice
+    redraw: int = 0  # draw new features every N training calls; 0 = never
+
+    def __post_init__(self) -> None:
+        for name in ("features", "redraw"):
+            value = getattr(self, name)
+            if value < 0:
+                raise ConfigError(f"attention_options.{name} must be an integer >= 0, got {value}")
+
+
+@dataclass
+class LinformerOptions:
+    """``attention_options`` of ``attention: linformer``."""
+
+    k: int = 64  # positions the keys and values are projected to
+
+    def __post_init__(self) -> None:
+        if self.k < 1:
+            raise ConfigError(f"attention_options.k must be an integer >= 1, got {self.k}")
+
+
+class PerformerAttention(nn.Module):
+    """FAVOR+ attention (see the module docstring). ``features`` 0 = ``round(D ln D)``, the paper's choice."""
+
+    Options = PerformerOptions
+
+    def __init__(self, num_heads: int, head_dim: int, *, features: int = 0, redraw: int = 0, chunk: int = 128,
+                 max_len: int | None = None) -> None:
         super().__init__()
         self.head_dim, self.chunk = head_dim, chunk
-        self.num_features = performer_features or max(1, round(head_dim * math.log(head_dim)))
-        self.redraw = performer_redraw
+        self.num_features = features or max(1, round(head_dim * math.log(head_dim)))
+        self.redraw = redraw
         self.seed = int(torch.randint(0, 2**31 - 1, (1,)).item())  # from the (seeded) model initialisation
         self.register_buffer("features", _draw(self.num_features, head_dim, self.seed, 0, torch.device("cpu")))
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))  # training calls, for the redraws
@@ -158,13 +186,15 @@ class PerformerAttention(nn.Module):
 
 
 class LinformerAttention(nn.Module):
-    """Linformer attention (see the module docstring): keys and values projected to ``linformer_k`` positions."""
+    """Linformer attention (see the module docstring): keys and values projected to ``k`` positions."""
 
-    def __init__(self, num_heads: int, head_dim: int, *, max_len: int, linformer_k: int = 64, **_) -> None:
+    Options = LinformerOptions
+
+    def __init__(self, num_heads: int, head_dim: int, *, max_len: int, k: int = 64) -> None:
         super().__init__()
-        self.max_len, self.k = max_len, linformer_k
-        self.proj_k = nn.Parameter(torch.randn(linformer_k, max_len) / math.sqrt(linformer_k))
-        self.proj_v = nn.Parameter(torch.randn(linformer_k, max_len) / math.sqrt(linformer_k))
+        self.max_len, self.k = max_len, k
+        self.proj_k = nn.Parameter(torch.randn(k, max_len) / math.sqrt(k))
+        self.proj_v = nn.Parameter(torch.randn(k, max_len) / math.sqrt(k))
 
     def extra_repr(self) -> str:
         return f"k={self.k}, max_len={self.max_len}"

@@ -7,6 +7,8 @@ Tk keys.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -55,3 +57,54 @@ def padding_additive_mask(attention_mask: Tensor, dtype: torch.dtype) -> Tensor:
     """(B, S) 1 = token, 0 = padding -> (B, 1, 1, S) additive mask (0 / the dtype's minimum): the keys' padding
     for any query, as the encoder-decoder and NAT models use it."""
     return additive_mask(padding_mask(attention_mask), dtype)
+
+
+class KeySpan(NamedTuple):
+    """Which keys a call's T new queries see, as a cache strategy (or a whole-sequence pass) describes it.
+
+    ``past`` (dense): positions already cached, the queries at ``[past, keys)`` (None: ``queries`` given);
+    ``keys``: S, the keys attended; ``queries`` (B|1, T) the queries' key indices where ``past`` is None;
+    ``valid`` (B|1, S) bool, False for padding keys, or None."""
+
+    past: int | None
+    keys: int
+    queries: Tensor | None = None
+    valid: Tensor | None = None
+
+
+def sequence_span(length: int, valid: Tensor | None = None) -> KeySpan:
+    """A whole-sequence pass (no cache): ``length`` queries over the same keys; ``valid`` (B, S) 1 = token."""
+    return KeySpan(0, length, None, None if valid is None else valid.bool())
+
+
+def attention_mask(span: KeySpan, T: int, *, causal: bool, position=None, dtype: torch.dtype,
+                   device: torch.device) -> tuple[Tensor | None, bool]:
+    """The one mask builder: (attn_mask, is_causal) for T queries over ``span`` — every model and cache strategy
+    builds its masks here, built once per forward and shared by every layer.
+
+    ``causal``: a query sees the keys at or before its own index; ``position`` (a :class:`~.positions.Position`)
+    adds its score bias (ALiBi, T5) where it has one. The mask is None (or ``is_causal`` True: the fused
+    kernels' own causal path) where nothing needs masking, a bool (Tq, S) causal mask for a dense cache without
+    padding or bias, else an additive float (B|1, H|1, T, S) mask in ``dtype`` (0 / the dtype's minimum, plus the
+    bias)."""
+    has_bias = position is not None and position.has_bias
+    if span.past is not None and span.valid is None and not has_bias:
+        if T == 1 or not causal:
+            return None, False
+        if span.past == 0:
+            return None, True
+        return causal_mask(T, span.keys, device), False
+    index = torch.arange(span.keys, device=device)
+    queries = span.queries if span.queries is not None else index[span.past:][None]  # (B|1, T)
+    allowed = None
+    if causal and (span.past is None or T > 1):  # (a dense cache's single query sees every key anyway)
+        allowed = (index <= queries[..., None])[:, None]  # (B|1, 1, T, S)
+    if span.valid is not None:
+        pad = span.valid[:, None, None, :]  # (B, 1, 1, S)
+        allowed = pad if allowed is None else allowed & pad
+    mask = None if allowed is None else additive_mask(allowed, dtype)
+    if has_bias:
+        bias = position.bias(queries if span.queries is not None else queries[0], index)  # (B|1, H, T, S)
+        if bias is not None:
+            mask = bias.to(dtype) if mask is None else mask + bias.to(dtype)
+    return mask, False

@@ -45,8 +45,14 @@ class Position(nn.Module):
         return None
 
     def bias(self, q_index: Tensor, k_index: Tensor) -> Tensor | None:
-        """(Tq,) query and (Tk,) key indices -> (1, H, Tq, Tk) additive score bias, or None."""
+        """(Tq,) query and (Tk,) key indices -> (1, H, Tq, Tk) additive score bias, or None; (B, Tq) query
+        indices (rows at different lengths) -> (B, H, Tq, Tk)."""
         return None
+
+    @property
+    def has_bias(self) -> bool:
+        """Whether the scheme adds a score bias (overrides :meth:`bias`: ALiBi, T5)."""
+        return type(self).bias is not Position.bias
 
 
 @POSITIONS.register("none")
@@ -308,9 +314,10 @@ class AlibiPosition(Position):
         self.register_buffer("slopes", alibi_slopes(num_heads)[:, None, None], persistent=False)
 
     def bias(self, q_index: Tensor, k_index: Tensor) -> Tensor:
-        offset = q_index[:, None] - k_index[None, :]  # (Tq, Tk)
+        offset = q_index[..., :, None] - k_index  # (B?, Tq, Tk)
         distance = (offset.abs() if self.bidirectional else offset.clamp(min=0)).float()
-        return (-self.slopes * distance)[None]  # (1, H, Tq, Tk)
+        bias = -self.slopes * distance[..., None, :, :]  # (B?, H, Tq, Tk)
+        return bias if q_index.dim() == 2 else bias[None]
 
 
 def t5_bucket(relative: Tensor, bidirectional: bool, num_buckets: int, max_distance: int) -> Tensor:
@@ -343,9 +350,10 @@ class T5Position(Position):
         self.weight = nn.Embedding(num_buckets, num_heads)
 
     def bias(self, q_index: Tensor, k_index: Tensor) -> Tensor:
-        relative = k_index[None, :] - q_index[:, None]  # (Tq, Tk)
+        relative = k_index - q_index[..., :, None]  # (B?, Tq, Tk)
         buckets = t5_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
-        return self.weight(buckets).permute(2, 0, 1)[None]  # (1, H, Tq, Tk)
+        bias = self.weight(buckets).movedim(-1, -3)  # (B?, H, Tq, Tk)
+        return bias if q_index.dim() == 2 else bias[None]
 
 
 def create_position(name: str, **kwargs) -> Position:

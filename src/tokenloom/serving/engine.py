@@ -1,10 +1,12 @@
-"""Continuous batching for a GPT: one engine thread, requests joining and leaving the running batch between
-decode steps, over a slot-based preallocated KV cache.
+"""Continuous batching for a causal language model: one engine thread, requests joining and leaving the running
+batch between decode steps, over a slot-based preallocated KV cache.
 
 * The cache holds ``max_batch`` rows of the model's full context, per layer (B, Hkv, M, D) keys and values. The
   running requests occupy rows ``0 .. A-1`` (kept contiguous: a finished request's row takes the last row's
-  contents), so a decode step runs on plain views of the first A rows, at each row's own length
-  (:meth:`tokenloom.models.GPT.ragged_step`).
+  contents), so a decode step runs on views of the first A rows, at each row's own length: the model's own
+  forward over the ragged cache strategy (:meth:`tokenloom.nn.KVCache.ragged`). The engine talks to the model
+  through the decoding protocol only (``create_cache``, ``__call__(ids, positions=, cache=)``,
+  ``config.max_seq_len`` / ``vocab_size``), so it serves every causal family.
 * A new request is prefilled alone (its prompt through the model with its own small cache, copied into a free
   row) between two decode steps; its first token comes from the prefill.
 * Each request samples with its own settings and seeded generator (greedy = argmax), exactly as
@@ -80,15 +82,14 @@ class Engine:
                  dispatch: Callable[[list[tuple[Callable, tuple]]], None] | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_len = max_batch, model.config.max_seq_len
-        ref = model.tok_embed.weight
         c = model.config
-        # (L, 2, rows, Hkv, M, D): every layer's keys and values for max_batch rows of the full context, refused in
-        # one line when it cannot fit in memory (tokenloom.budget)
-        check_kv_cache(c, max_batch, self.max_len, ref.element_size(), f"max_batch={max_batch}", error=ConfigError)
-        self.kv = torch.zeros((c.num_layers, 2, max_batch, c.num_kv_heads or c.num_heads, self.max_len, c.head_dim),
-                              dtype=ref.dtype)
-        self.plans: dict[int, object] = {}  # running rows -> the model's step functions over kv[:, :, :rows]
+        # every layer's keys and values for max_batch rows of the full context, refused in one line when it cannot
+        # fit in memory (tokenloom.budget)
+        element = next(model.parameters()).element_size()
+        check_kv_cache(c, max_batch, self.max_len, element, f"max_batch={max_batch}", error=ConfigError)
+        self.cache = model.create_cache(max_batch, self.max_len)
         self.lengths = torch.zeros(max_batch, dtype=torch.long)  # cached positions per row
+        self.views: dict[int, object] = {}  # running rows -> the cache's first rows as a ragged view
         self.slots: list[_Slot] = []
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
         self.eos = getattr(tokenizer, "eos_id", None)
@@ -200,7 +201,7 @@ class Engine:
             self._flush()
             return
         row, T = len(self.slots), ids.shape[1]
-        self.kv[:, :, row, :, :T] = cache.kv[:, :, 0, :, :T]
+        self.cache.copy_rows(row, cache, 0, T)
         self.lengths[row] = T
         config = request.config
         generator = None
@@ -217,10 +218,10 @@ class Engine:
     def _step(self) -> None:
         A = len(self.slots)
         tokens = torch.tensor([[s.last] for s in self.slots])  # (A, 1)
-        kv = self.kv[:, :, :A]
-        if A not in self.plans:
-            self.plans[A] = self.model.ragged_plan(kv)
-        logits = self.model.ragged_step(tokens, self.lengths[:A], kv, self.plans[A])  # (A, V)
+        if A not in self.views:
+            self.views[A] = self.cache.ragged(A, self.lengths[:A])
+        lengths = self.lengths[:A]
+        logits = self.model(tokens, positions=lengths[:, None], cache=self.views[A])[:, 0]  # (A, V)
         self.lengths[:A] += 1
         chosen = self._choose_all(logits)
         self._deliver(self.slots, chosen)
@@ -313,7 +314,7 @@ class Engine:
             last = len(self.slots) - 1
             if row != last:
                 n = int(self.lengths[last])
-                self.kv[:, :, row, :, :n] = self.kv[:, :, last, :, :n]
+                self.cache.copy_rows(row, self.cache, last, n)
                 self.lengths[row] = self.lengths[last]
                 self.slots[row] = self.slots[last]
             self.slots.pop()
