@@ -29,8 +29,10 @@ def test_causal_check_passes_on_gpt_with_padding_and_every_position_scheme():
 
 
 def test_causal_check_fails_on_a_broken_mask(monkeypatch):
+    import tokenloom.models.gpt as gpt_module
+
     model = gpt()
-    monkeypatch.setattr(model, "_attention_inputs", lambda *args: (None, False))  # the causal mask forgotten
+    monkeypatch.setattr(gpt_module, "attention_mask_for", lambda *args, **kwargs: (None, False))  # mask forgotten
     maps = captured(model, torch.randint(0, 40, (2, 8)))
     result = causal_check(maps.get("self", 0), 0)
     assert not result.passed and result.max_mass > 0.1 and result.heads == [0, 1, 2, 3]

@@ -116,9 +116,9 @@ def test_viz_check_passes_and_writes_json(lm_run, tmp_path, capsys):
 
 
 def test_viz_check_fails_on_a_broken_mask(lm_run, capsys, monkeypatch):
-    from tokenloom.models.gpt import GPT
+    import tokenloom.models.gpt as gpt_module
 
-    monkeypatch.setattr(GPT, "_attention_inputs", lambda self, *args: (None, False))  # no causal mask
+    monkeypatch.setattr(gpt_module, "attention_mask_for", lambda *args, **kwargs: (None, False))  # no causal mask
     assert main(["viz", "check", str(lm_run)]) == 1
     assert "LEAKS" in capsys.readouterr().out
 
