@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from tests.generation.helpers import left_pad  # noqa: F401  (re-exported for the registry tests)
 from tokenloom.models.registry import MODELS, decoding_of
 
 # Shrunk sizes. Only fields the config has are overridden; everything else (position, norm, mlp, norm_placement,
@@ -156,7 +157,7 @@ def outputs(family: str, model: nn.Module, seed: int = 1) -> list[Tensor]:
         assert logits.shape == (*target_mask.shape, c.vocab_size) and logits.shape[0] == B
         assert memory.shape == (B, src.shape[1], c.embed_dim)
         out = [logits]
-        if c.kind != "ctc":  # the length predictor is trained on its own loss term (ctc has none)
+        if model.length_head is not None:  # the length predictor is trained on its own loss term (ctc has none)
             length_logits = model.length_logits(memory, mask)
             assert length_logits.shape == (B, c.num_length_classes)
             out.append(length_logits)
@@ -214,18 +215,6 @@ def cached_logits(decoder: Any, ids: Tensor, prefill: int, attention_mask: Tenso
         kwargs = {} if attention_mask is None else {"attention_mask": attention_mask[:, :end]}
         out.append(decoder(ids[:, start:end], cache=cache, **kwargs))
     return torch.cat(out, dim=1)
-
-
-def left_pad(rows: list[Tensor], pad: int) -> tuple[Tensor, Tensor]:
-    """Rows of different lengths -> (B, T) left-padded ids and the 0/1 attention mask (GPT's protocol:
-    positions count real tokens from 0, :func:`tokenloom.nn.masks.positions_from_mask`)."""
-    T = max(len(r) for r in rows)
-    ids = torch.full((len(rows), T), pad, dtype=torch.long)
-    mask = torch.zeros(len(rows), T, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, T - len(r):] = r
-        mask[i, T - len(r):] = 1
-    return ids, mask
 
 
 def assert_close(got: Tensor, want: Tensor, atol: float = 1e-5, what: str = "") -> None:

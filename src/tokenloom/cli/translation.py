@@ -18,6 +18,7 @@ import torch
 from ..checkpoint import read_config
 from ..config import from_dict
 from ..errors import ConfigError
+from ..models.nat_kinds import NAT_KINDS
 from ..models.registry import decoding_of
 from .commands import describe_decoding
 from .loading import translation_model
@@ -97,22 +98,15 @@ def distill(args: argparse.Namespace) -> int:
 # ---- bench translate --------------------------------------------------------------------------------
 
 def _variants(model, can_rescore: bool) -> list[dict]:
-    """The decodings a model contributes to the table."""
-    kind = getattr(model.config, "kind", None)
-    if kind is None:
+    """The decodings a model contributes to the table: greedy and beam 5 for an autoregressive one, its kind's
+    (``NATKind.bench_variants``) for a non-autoregressive one."""
+    if decoding_of(model) != "parallel":
         return [dict(beam=1), dict(beam=5)]
-    if kind == "ctc":
-        return [{}]
-    if kind == "nat":
-        return [dict(length_beam=1), dict(length_beam=3)] + ([dict(length_beam=3, rescore=True)]
-                                                              if can_rescore else [])
-    return [dict(iterations=1, length_beam=1), dict(iterations=1, length_beam=3), dict(iterations=4, length_beam=3),
-            dict(iterations=10, length_beam=3)]
+    return NAT_KINDS.get(model.config.kind).bench_variants(can_rescore)
 
 
 def _label(model, options: dict) -> str:
-    kind = getattr(model.config, "kind", None)
-    name = {"nat": "NAT", "cmlm": "CMLM", "ctc": "CTC", None: "AR"}[kind]
+    name = NAT_KINDS.get(model.config.kind).name if decoding_of(model) == "parallel" else "AR"
     return f"{name} {describe_decoding(options)}"
 
 

@@ -1,11 +1,18 @@
 """Parallel decoding of non-autoregressive translation models (:mod:`tokenloom.models.nat`).
 
-* ``nat``: the top-``length_beam`` lengths of the length predictor, one parallel argmax pass for each, the
-  candidate with the best average log-probability kept (or the best under an autoregressive ``rescorer``);
-* ``cmlm``: Mask-Predict over the top-``length_beam`` lengths: iteration 0 predicts every position; after
-  iteration t (of T) the n = floor(L (T - 1 - t) / T) least confident tokens are re-masked and predicted again
-  (only masked positions change, with their probabilities); T = 1 is the plain parallel argmax;
-* ``ctc``: one argmax pass over the upsampled source, repeats merged, blanks dropped.
+:func:`nat_decode` encodes the sources and hands them to the decoding that the model's kind names
+(``NATKind.decoding``, :mod:`tokenloom.models.nat_kinds`), one of ``NAT_DECODINGS``:
+
+* ``argmax`` (kind nat): the top-``length_beam`` lengths of the length predictor, one parallel argmax pass for
+  each, the candidate with the best average log-probability kept (or the best under an autoregressive
+  ``rescorer``);
+* ``mask_predict`` (kind cmlm): Mask-Predict over the top-``length_beam`` lengths: iteration 0 predicts every
+  position; after iteration t (of T) the n = floor(L (T - 1 - t) / T) least confident tokens are re-masked and
+  predicted again (only masked positions change, with their probabilities); T = 1 is the plain parallel argmax;
+* ``ctc`` (kind ctc): one argmax pass over the upsampled source, repeats merged, blanks dropped.
+
+A decoding is ``decode(model, source, source_mask, memory, *, iterations, length_beam, rescorer)`` -> token ids
+per sentence; those over length candidates share :func:`decode_length_candidates`.
 
 Shapes: source (B, S) ids right-padded, source_mask (B, S); results are lists of token ids per sentence
 (no BOS / EOS / padding).
@@ -13,15 +20,29 @@ Shapes: source (B, S) ids right-padded, source_mask (B, S); results are lists of
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..errors import GenerationError
-from ..models.nat import NonAutoregressiveTransformer, ctc_collapse
+from ..models.nat import NonAutoregressiveTransformer
+from ..models.nat_kinds import NAT_KINDS
+from ..models.nat_kinds.ctc import ctc_collapse
+from ..registry import Registry
+
+# (model, source, source_mask, memory, *, iterations, length_beam, rescorer) -> token ids per sentence
+NATDecoding = Callable[..., list[list[int]]]
+NAT_DECODINGS: Registry[NATDecoding] = Registry("nat decoding")
+# (model, source, source_mask, memory, lengths, scored) -> (tokens (N, T), log-probabilities (N, T) or None when
+# not scored, real-position mask (N, T)) for N rows of length candidates
+CandidateFill = Callable[[NonAutoregressiveTransformer, Tensor, Tensor, Tensor, Tensor, bool],
+                         tuple[Tensor, Tensor | None, Tensor]]
 
 
-def _ban(logits: Tensor, ids: list[int]) -> Tensor:
+def ban(logits: Tensor, ids: list[int]) -> Tensor:
+    """``logits`` (..., V) with the columns ``ids`` set to -inf (in place)."""
     if ids:
         logits.index_fill_(-1, torch.tensor(ids, device=logits.device), float("-inf"))
     return logits
@@ -52,7 +73,7 @@ def mask_predict(model: NonAutoregressiveTransformer, source: Tensor, source_mas
         inputs, decoder_mask = model.decoder_inputs(source, source_mask, tokens=tokens)
         hidden = model.decode_hidden(inputs, decoder_mask, memory, source_mask, memory_kv)  # (N, T, C)
         where = masked.nonzero(as_tuple=True)  # the output layer only at the masked positions (all at t = 0)
-        logits = _ban(model.lm_head(hidden[where]).float(), c.banned_ids)  # (M, V)
+        logits = ban(model.lm_head(hidden[where]).float(), c.banned_ids)  # (M, V)
         best_lp, best = F.log_softmax(logits, dim=-1).max(dim=-1)  # (M,)
         tokens = tokens.index_put(where, best)
         log_probs = log_probs.index_put(where, best_lp)
@@ -90,40 +111,83 @@ def rescore(rescorer: nn.Module, source: Tensor, source_mask: Tensor, tokens: Te
 @torch.no_grad()
 def nat_decode(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, *, iterations: int = 10,
                length_beam: int = 1, rescorer: nn.Module | None = None) -> list[list[int]]:
-    """Translate a batch of sources in parallel; see the module docstring. ``iterations`` applies to cmlm,
-    ``length_beam`` to nat and cmlm, ``rescorer`` (an autoregressive model on the same vocabulary) picks among
-    the length candidates instead of their own average log-probability."""
-    c = model.config
+    """Translate a batch of sources in parallel with the decoding of the model's kind; see the module docstring.
+    ``iterations`` applies to mask_predict (cmlm), ``length_beam`` to decodings over length candidates (nat,
+    cmlm), ``rescorer`` (an autoregressive model on the same vocabulary) picks among the length candidates instead
+    of their own average log-probability."""
     if iterations < 1:
         raise GenerationError(f"iterations must be >= 1, got {iterations}")
     if length_beam < 1:
         raise GenerationError(f"length_beam must be >= 1, got {length_beam}")
-    B = source.shape[0]
+    decode = NAT_DECODINGS.get(NAT_KINDS.get(model.config.kind).decoding)
     memory = model.encode(source, source_mask)
-    if c.kind == "ctc":
-        inputs, decoder_mask = model.decoder_inputs(source, source_mask)
-        logits = _ban(model.decode_parallel(inputs, decoder_mask, memory, source_mask).float(), c.banned_ids)
-        best = logits.argmax(-1)
-        lengths = decoder_mask.sum(1).tolist()
-        return [ctc_collapse(best[b, :lengths[b]].tolist(), c.blank_id) for b in range(B)]
+    return decode(model, source, source_mask, memory, iterations=iterations, length_beam=length_beam,
+                  rescorer=rescorer)
+
+
+def decode_length_candidates(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor,
+                             memory: Tensor, length_beam: int, rescorer: nn.Module | None,
+                             fill: CandidateFill) -> list[list[int]]:
+    """The top-``length_beam`` lengths of the length predictor, each filled by ``fill``; the candidate with the best
+    average log-probability (or the best under ``rescorer``) kept; one candidate is kept unscored."""
+    c = model.config
+    B = source.shape[0]
     beam = min(length_beam, c.num_length_classes)
     classes = model.length_logits(memory, source_mask).float().topk(beam, dim=-1).indices  # (B, l)
     lengths = model.lengths_of(classes, source_mask.sum(1)).reshape(-1)  # (B * l,)
     src, src_mask, mem = (t.repeat_interleave(beam, dim=0) for t in (source, source_mask, memory))
-    if c.kind == "cmlm":
-        tokens, log_probs, real = mask_predict(model, src, src_mask, mem, lengths, iterations)
-    else:
-        inputs, decoder_mask = model.decoder_inputs(src, src_mask, lengths)
-        logits = _ban(model.decode_parallel(inputs, decoder_mask, mem, src_mask).float(), c.banned_ids)
-        real = decoder_mask.bool()
-        if beam == 1:  # one candidate: nothing to score, the argmax of the logits is the answer
-            tokens = logits.argmax(dim=-1)
-            return [tokens[b, :int(real[b].sum())].tolist() for b in range(B)]
-        log_probs, tokens = F.log_softmax(logits, dim=-1).max(dim=-1)
-    if rescorer is not None and beam > 1:
+    tokens, log_probs, real = fill(model, src, src_mask, mem, lengths, beam > 1)
+    if beam == 1:  # one candidate: nothing to score
+        return [tokens[b, :int(real[b].sum())].tolist() for b in range(B)]
+    if rescorer is not None:
         scores = rescore(rescorer, src, src_mask, tokens, real)
     else:
         scores = (log_probs * real).sum(1) / real.sum(1)
     choice = best_candidates(scores.view(B, beam))
     rows = torch.arange(B, device=source.device) * beam + choice
     return [tokens[r, :int(real[r].sum())].tolist() for r in rows.tolist()]
+
+
+def argmax_fill(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, memory: Tensor,
+                lengths: Tensor, scored: bool) -> tuple[Tensor, Tensor | None, Tensor]:
+    """One parallel pass for rows of ``lengths`` (N,): the argmax tokens (N, T), their log-probabilities (when
+    ``scored``) and the real positions."""
+    inputs, decoder_mask = model.decoder_inputs(source, source_mask, lengths)
+    logits = ban(model.decode_parallel(inputs, decoder_mask, memory, source_mask).float(), model.config.banned_ids)
+    real = decoder_mask.bool()
+    if not scored:  # the argmax of the logits is the answer
+        return logits.argmax(dim=-1), None, real
+    log_probs, tokens = F.log_softmax(logits, dim=-1).max(dim=-1)
+    return tokens, log_probs, real
+
+
+@NAT_DECODINGS.register("argmax")
+def argmax_decoding(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, memory: Tensor, *,
+                    iterations: int, length_beam: int, rescorer: nn.Module | None) -> list[list[int]]:
+    """One argmax pass per length candidate (``iterations`` does not apply)."""
+    return decode_length_candidates(model, source, source_mask, memory, length_beam, rescorer, argmax_fill)
+
+
+@NAT_DECODINGS.register("mask_predict")
+def mask_predict_decoding(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, memory: Tensor,
+                          *, iterations: int, length_beam: int, rescorer: nn.Module | None) -> list[list[int]]:
+    """Mask-Predict (:func:`mask_predict`, ``iterations``) per length candidate."""
+
+    def fill(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, memory: Tensor,
+             lengths: Tensor, scored: bool) -> tuple[Tensor, Tensor, Tensor]:
+        return mask_predict(model, source, source_mask, memory, lengths, iterations)
+
+    return decode_length_candidates(model, source, source_mask, memory, length_beam, rescorer, fill)
+
+
+@NAT_DECODINGS.register("ctc")
+def ctc_decoding(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, memory: Tensor, *,
+                 iterations: int, length_beam: int, rescorer: nn.Module | None) -> list[list[int]]:
+    """One argmax pass over the decoder inputs of the source alone, repeats merged, blanks dropped (the options
+    do not apply)."""
+    c = model.config
+    inputs, decoder_mask = model.decoder_inputs(source, source_mask)
+    logits = ban(model.decode_parallel(inputs, decoder_mask, memory, source_mask).float(), c.banned_ids)
+    best = logits.argmax(-1)
+    lengths = decoder_mask.sum(1).tolist()
+    return [ctc_collapse(best[b, :lengths[b]].tolist(), c.blank_id) for b in range(source.shape[0])]

@@ -1,7 +1,11 @@
-"""Non-autoregressive translation: every target token predicted at once, by one model class in three kinds.
+"""Non-autoregressive translation: every target token predicted at once, by one model class in several kinds.
 
 Shape legend: B batch, S source length, T decoder length, C embed_dim, V vocab_size, K length classes,
 L target length (tokens only: no BOS, no EOS).
+
+``kind`` names a strategy in :data:`tokenloom.models.nat_kinds.NAT_KINDS` (one file per kind in
+:mod:`tokenloom.models.nat_kinds`), which decides the decoder's inputs, whether there is a length predictor,
+the special ids needed, the training loss and the parallel decoding; this class asks it, never compares the name:
 
 * ``nat`` (Gu et al. 2018): a length predictor over the encoder output; the decoder's inputs are a uniform copy
   of the source embeddings (``decoder_input: copy``: target position j reads source position
@@ -12,9 +16,11 @@ L target length (tokens only: no BOS, no EOS).
 * ``ctc`` (Libovický & Helcl 2018): the decoder reads the source embeddings, each repeated ``ctc_upsample``
   times (T = k * S); trained with CTC over a ``<blank>`` token; decoding collapses repeats and drops blanks.
 
+A new kind is one file in :mod:`tokenloom.models.nat_kinds` that registers itself.
+
 The encoder, the decoder blocks (self-attention without the causal mask, cross-attention, MLP), the embeddings
 and the output projection are :class:`~tokenloom.models.seq2seq.EncoderDecoder`'s. The length predictor
-(``nat``, ``cmlm``) classifies the masked mean of the encoder output into the target length
+(of kinds that have one: ``nat``, ``cmlm``) classifies the masked mean of the encoder output into the target length
 (``length_prediction: classify``, 0..max_target_len) or its offset from the source length (``offset``,
 -max_length_offset..+max_length_offset).
 
@@ -28,19 +34,19 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
-from ..config import check
+from ..config import check, check_choice
 from ..errors import GenerationError
 from ..nn.attention import Context
 from ..nn.block import plain_eval
 from ..nn.kv_cache import MemoryLayer
 from ..nn.masks import attention_mask as attention_mask_for
 from ..nn.masks import sequence_span
+from .nat_kinds import NAT_KINDS
+from .nat_kinds.ctc import ctc_collapse, ctc_loss  # noqa: F401 (kind ctc's helpers, importable from here too)
 from .registry import MODELS, declare_decoding
 from .seq2seq import EncoderDecoder, Seq2SeqConfig
 
-NAT_KINDS = ("nat", "cmlm", "ctc")
 DECODER_INPUTS = ("copy", "position")
 LENGTH_PREDICTIONS = ("offset", "classify")
 NAT_POSITIONS = ("sinusoidal", "sinusoidal_halves", "learned", "rope", "none")
@@ -48,7 +54,7 @@ NAT_POSITIONS = ("sinusoidal", "sinusoidal_halves", "learned", "rope", "none")
 
 @dataclass
 class NATConfig(Seq2SeqConfig):
-    kind: str = "cmlm"  # nat | cmlm | ctc
+    kind: str = "cmlm"  # a name in NAT_KINDS (tokenloom.models.nat_kinds): nat | cmlm | ctc
     decoder_input: str = "copy"  # nat: copy (uniform copy of the source embeddings) | position (queries only)
     length_prediction: str = "offset"  # offset (target - source length) | classify (the target length)
     max_length_offset: int = 32  # offsets predicted in [-m, m] (longer gaps are clamped)
@@ -59,7 +65,7 @@ class NATConfig(Seq2SeqConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        check(self.kind in NAT_KINDS, f"kind must be one of {', '.join(NAT_KINDS)}, got {self.kind!r}")
+        check_choice("kind", self.kind, NAT_KINDS)
         check(self.decoder_input in DECODER_INPUTS,
               f"decoder_input must be one of {', '.join(DECODER_INPUTS)}, got {self.decoder_input!r}")
         check(self.length_prediction in LENGTH_PREDICTIONS,
@@ -76,17 +82,9 @@ class NATConfig(Seq2SeqConfig):
                   f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
 
     def check_special_ids(self) -> None:
-        """What a model needs beyond a valid config: kind cmlm a ``<mask>`` id; kind ctc a ``<blank>`` id and
-        room for the upsampled source in ``max_target_len``."""
-        if self.kind == "cmlm":
-            check(0 <= self.mask_id < self.vocab_size,
-                  f"mask_id={self.mask_id} is outside the vocabulary [0, {self.vocab_size}) (kind cmlm needs one)")
-        if self.kind == "ctc":
-            check(0 <= self.blank_id < self.vocab_size,
-                  f"blank_id={self.blank_id} is outside the vocabulary [0, {self.vocab_size}) (kind ctc needs one)")
-            check(self.max_target_len >= self.ctc_upsample * self.max_source_len,
-                  f"max_target_len={self.max_target_len} must hold ctc_upsample * max_source_len = "
-                  f"{self.ctc_upsample * self.max_source_len} decoder positions")
+        """What a model needs beyond a valid config, as its kind says (``NATKind.check``): kind cmlm a ``<mask>``
+        id; kind ctc a ``<blank>`` id and room for the upsampled source in ``max_target_len``."""
+        NAT_KINDS.get(self.kind).check(self)
 
     @property
     def num_length_classes(self) -> int:
@@ -95,22 +93,24 @@ class NATConfig(Seq2SeqConfig):
     @property
     def banned_ids(self) -> list[int]:
         """Ids a decoded sentence never contains: padding, BOS, EOS and every id from the first one added past
-        the tokenizer's (``<mask>``, ``<blank>``, padding of the vocabulary) on, except a ctc model's
-        ``<blank>`` (which its decoding removes itself)."""
+        the tokenizer's (``<mask>``, ``<blank>``, padding of the vocabulary) on, except the one its kind keeps
+        (``NATKind.kept_id``: a ctc model's ``<blank>``, which its decoding removes itself)."""
         added = [i for i in (self.mask_id, self.blank_id) if i >= 0]
         extra = range(min(added), self.vocab_size) if added else range(0)
-        keep = self.blank_id if self.kind == "ctc" else -1
+        keep = NAT_KINDS.get(self.kind).kept_id(self)
         return sorted({self.pad_id, self.bos_id, self.eos_id, *extra} - {keep})
 
 
 @declare_decoding("parallel")
 class NonAutoregressiveTransformer(EncoderDecoder):
-    """The encoder-decoder with a bidirectional decoder, a length predictor and NAT / CMLM / CTC inputs."""
+    """The encoder-decoder with a bidirectional decoder, a length predictor (if its kind has one) and the decoder
+    inputs of its kind (``config.kind``: NAT / CMLM / CTC / ...)."""
 
     def __init__(self, config: NATConfig) -> None:
         config.check_special_ids()
         super().__init__(config)
-        self.length_head = nn.Linear(config.embed_dim, config.num_length_classes) if config.kind != "ctc" else None
+        has_head = NAT_KINDS.get(config.kind).has_length_head
+        self.length_head = nn.Linear(config.embed_dim, config.num_length_classes) if has_head else None
         if self.length_head is not None:
             nn.init.normal_(self.length_head.weight, std=0.02)
             nn.init.zeros_(self.length_head.bias)
@@ -120,7 +120,8 @@ class NonAutoregressiveTransformer(EncoderDecoder):
     def length_logits(self, memory: Tensor, source_mask: Tensor) -> Tensor:
         """(B, S, C) encoder output -> (B, K) length-class logits from its masked mean."""
         if self.length_head is None:
-            raise GenerationError("a ctc model has no length predictor: its length is ctc_upsample x the source")
+            rule = NAT_KINDS.get(self.config.kind).length_rule
+            raise GenerationError(f"a {self.config.kind} model has no length predictor" + (f": {rule}" if rule else ""))
         weights = source_mask.to(memory.dtype).unsqueeze(-1)  # (B, S, 1)
         pooled = (memory * weights).sum(1) / weights.sum(1).clamp(min=1.0)
         return self.length_head(pooled)
@@ -145,7 +146,8 @@ class NonAutoregressiveTransformer(EncoderDecoder):
 
     def decoder_inputs(self, source: Tensor, source_mask: Tensor, target_lengths: Tensor | None = None,
                        tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        """The decoder's input embeddings (B, T, C) and its mask (B, T) (1 = a position):
+        """The decoder's input embeddings (B, T, C) and its mask (B, T) (1 = a position), as the model's kind
+        builds them (``NATKind.decoder_inputs``):
 
         * cmlm: ``tokens`` (B, T) (targets with ``<mask>`` ids, padded) embedded;
         * nat: for ``target_lengths`` (B,), a uniform copy of the source embeddings (``copy``) or zeros
@@ -153,29 +155,10 @@ class NonAutoregressiveTransformer(EncoderDecoder):
         * ctc: the source embeddings, each position repeated ``ctc_upsample`` times; T = k * S.
 
         Positions are added by the decoder (:meth:`decode_parallel`)."""
-        c = self.config
-        if c.kind == "cmlm":
-            if tokens is None:
-                raise GenerationError("a cmlm decoder reads target tokens (with <mask> ids)")
-            return self._scaled(self.tgt_embed(tokens)), (tokens != c.pad_id).long()
-        source_embeds = self._scaled(self.src_embed(source))  # (B, S, C)
-        source_lengths = source_mask.sum(1)
-        if c.kind == "ctc":
-            k = c.ctc_upsample
-            return source_embeds.repeat_interleave(k, dim=1), source_mask.repeat_interleave(k, dim=1)
-        if target_lengths is None:
-            raise GenerationError("a nat decoder needs the target lengths")
-        T = int(target_lengths.max())
-        positions = torch.arange(T, device=source.device)
-        mask = (positions[None] < target_lengths[:, None]).long()  # (B, T)
-        if c.decoder_input == "position":
-            return source_embeds.new_zeros(source.shape[0], T, c.embed_dim), mask
-        # uniform copy: target position j of a length-L_i sentence reads source position floor(j * S_i / L_i)
-        index = (positions[None] * source_lengths[:, None]) // target_lengths.clamp(min=1)[:, None]  # (B, T)
-        index = index.clamp(max=source.shape[1] - 1)
-        return source_embeds.gather(1, index[..., None].expand(-1, -1, c.embed_dim)), mask
+        return NAT_KINDS.get(self.config.kind).decoder_inputs(self, source, source_mask, target_lengths, tokens)
 
-    def _scaled(self, x: Tensor) -> Tensor:
+    def scale_embeddings(self, x: Tensor) -> Tensor:
+        """Token embeddings (B, T, C) times the model's ``embed_scale`` (the decoder inputs' scale)."""
         return x * self.embed_scale if self.embed_scale != 1.0 else x
 
     # ---- the parallel decoder ---------------------------------------------------------------------
@@ -230,24 +213,6 @@ class NonAutoregressiveTransformer(EncoderDecoder):
         memory = self.encode(source, source_mask)
         inputs, mask = self.decoder_inputs(source, source_mask, target_lengths, tokens)
         return self.decode_parallel(inputs, mask, memory, source_mask), mask, memory
-
-
-def ctc_collapse(ids: list[int], blank_id: int) -> list[int]:
-    """CTC's output: merge runs of the same id, then drop blanks (``a a _ a b b`` -> ``a a b``)."""
-    out, previous = [], None
-    for i in ids:
-        if i != previous and i != blank_id:
-            out.append(i)
-        previous = i
-    return out
-
-
-def ctc_loss(logits: Tensor, decoder_mask: Tensor, targets: Tensor, target_lengths: Tensor, blank_id: int) -> Tensor:
-    """Summed CTC negative log-likelihood of ``targets`` (B, L) (padded; ``target_lengths`` (B,)) under
-    ``logits`` (B, T, V) whose first ``decoder_mask.sum(1)`` positions are real; float32 log-softmax."""
-    log_probs = F.log_softmax(logits.float(), dim=-1).transpose(0, 1)  # (T, B, V)
-    return F.ctc_loss(log_probs, targets, decoder_mask.sum(1), target_lengths, blank=blank_id, reduction="sum",
-                      zero_infinity=True)
 
 
 MODELS.register("nat")((NATConfig, NonAutoregressiveTransformer))

@@ -102,22 +102,28 @@ class _Block(nn.Module):
                  mlp: str = "gelu", norm: str = "layernorm", attention: str = "sdpa", dropout: float = 0.0,
                  bias: bool = True, cross_attention: bool = False, norm_eps: float | None = None,
                  attention_dropout: float | None = None, attention_options: dict | None = None,
-                 make_attention: Callable[..., nn.Module] = MultiHeadAttention) -> None:
+                 make_attention: Callable[..., nn.Module] = MultiHeadAttention,
+                 make_mlp: Callable[..., nn.Module] = create_mlp,
+                 make_norm: Callable[..., nn.Module] = create_norm) -> None:
+        """The parts are passed in as builders (torchtune-style): ``make_attention(embed_dim, num_heads,
+        num_kv_heads, bias=, dropout=, backend=, attention_options=, [cross=True])``, ``make_mlp(name, embed_dim,
+        hidden_dim, bias=, dropout=)``, ``make_norm(name, embed_dim, bias=, eps=)``; the defaults build the
+        registered parts by name."""
         super().__init__()
         attention_dropout = dropout if attention_dropout is None else attention_dropout
         self.attn = make_attention(embed_dim, num_heads, num_kv_heads, bias=bias, dropout=attention_dropout,
                                    backend=attention, attention_options=attention_options)
-        self.norm1 = create_norm(norm, embed_dim, bias=bias, eps=norm_eps)
+        self.norm1 = make_norm(norm, embed_dim, bias=bias, eps=norm_eps)
         if cross_attention:
             self.cross_attn = make_attention(embed_dim, num_heads, num_kv_heads, bias=bias,
                                              dropout=attention_dropout, backend=attention, cross=True,
                                              attention_options=attention_options)
-            self.norm_cross = create_norm(norm, embed_dim, bias=bias, eps=norm_eps)
+            self.norm_cross = make_norm(norm, embed_dim, bias=bias, eps=norm_eps)
         else:
             self.cross_attn = None
             self.norm_cross = None
-        self.mlp = create_mlp(mlp, embed_dim, hidden_dim, bias=bias, dropout=dropout)
-        self.norm2 = create_norm(norm, embed_dim, bias=bias, eps=norm_eps)
+        self.mlp = make_mlp(mlp, embed_dim, hidden_dim, bias=bias, dropout=dropout)
+        self.norm2 = make_norm(norm, embed_dim, bias=bias, eps=norm_eps)
         self.resid_dropout = Dropout(dropout)
 
     def residual_form(self) -> bool:

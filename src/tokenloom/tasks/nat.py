@@ -1,7 +1,8 @@
 """Non-autoregressive translation: the ``nat_translation`` task for :mod:`tokenloom.models.nat` (kinds nat, cmlm,
-ctc) on the translation task's data (line-aligned pairs, token-count batches).
+ctc, ...: :mod:`tokenloom.models.nat_kinds`) on the translation task's data (line-aligned pairs, token-count
+batches).
 
-Losses (targets are the target tokens without BOS / EOS):
+The loss is the model's kind's (``NATKind.loss``; targets are the target tokens without BOS / EOS):
 
 * nat: label-smoothed cross-entropy over every target position, decoder inputs built for the gold length;
 * cmlm: the same over the masked positions only, after masking a uniformly random number (1..L) of each
@@ -24,7 +25,6 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.nn import functional as F
 
 from ..checkpoint import load_tokenizer, read_config, resolve_checkpoint
 from ..config import check
@@ -32,8 +32,9 @@ from ..data.parallel import ParallelBatch
 from ..data.tokenizers import Tokenizer
 from ..errors import CheckpointError, ConfigError, DataError
 from ..models.factory import create_model, model_config_from_dict
-from ..models.nat import ctc_loss
-from .losses import cross_entropy
+from ..models.nat import NATConfig
+from ..models.nat_kinds import NAT_KINDS
+from ..models.nat_kinds.cmlm import random_mask  # noqa: F401 (kind cmlm's training mask, importable from here too)
 from .registry import TASKS
 from .translation import TranslationDataConfig, TranslationTask, special_ids
 
@@ -41,8 +42,8 @@ from .translation import TranslationDataConfig, TranslationTask, special_ids
 @dataclass
 class NATDataConfig(TranslationDataConfig):
     tokenizer_from: str | None = None  # a translation run / checkpoint (the AR teacher) whose tokenizer to use
-    iterations: int = 10  # cmlm decoding iterations for val_bleu
-    length_beam: int = 3  # length candidates for val_bleu (nat, cmlm)
+    iterations: int = 10  # decoding iterations for val_bleu (kinds that take them: cmlm)
+    length_beam: int = 3  # length candidates for val_bleu (kinds that have them: nat, cmlm)
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -73,7 +74,7 @@ class NATTranslationTask(TranslationTask):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self.skipped_pairs = 0  # ctc: training pairs whose target does not fit the decoder
+        self.skipped_pairs = 0  # training pairs whose target does not fit the decoder (kinds that skip: ctc)
 
     @classmethod
     def setup(cls, data: NATDataConfig, model_section: dict[str, Any], run_dir: Path, *, batch_size: int,
@@ -94,9 +95,9 @@ class NATTranslationTask(TranslationTask):
         section["vocab_size"] = max(model_section.get("vocab_size") or 0, base + 2)
         section["max_source_len"] = max(model_section.get("max_source_len", 0), data.max_source_len)
         section["max_target_len"] = max(model_section.get("max_target_len", 0), data.max_target_len)
-        if section.get("kind") == "ctc":
-            section["max_target_len"] = max(section["max_target_len"],
-                                            section.get("ctc_upsample", 3) * section["max_source_len"])
+        kind = section.get("kind", NATConfig.kind)
+        if kind in NAT_KINDS:  # (an unknown kind: the config's one-line error below)
+            section["max_target_len"] = max(section["max_target_len"], NAT_KINDS.get(kind).decoder_positions(section))
         family, model_config = model_config_from_dict(section)
         model = create_model(family, model_config)
         task = cls(dataset, data, tokenizer, seed=seed, label_smoothing=label_smoothing, eval_batches=eval_batches)
@@ -120,42 +121,13 @@ class NATTranslationTask(TranslationTask):
     @staticmethod
     def nat_loss(model: nn.Module, batch: ParallelBatch, label_smoothing: float,
                  generator: torch.Generator | None = None) -> tuple[Tensor, int, int]:
-        """(mean loss per predicted token, predicted tokens, skipped pairs) of a batch; see the module
-        docstring. ``generator`` draws cmlm's masks (default: torch's global generator)."""
-        c = model.config
-        pad = c.pad_id
-        source, source_mask = batch.source, batch.source_mask
+        """(mean loss per predicted token, predicted tokens, skipped pairs) of a batch: the model's kind's loss
+        (``NATKind.loss``; see the module docstring). ``generator`` draws cmlm's masks (default: torch's global
+        generator)."""
         tokens = batch.target_in[:, 1:]  # (B, L) the target tokens, right-padded
         lengths = batch.target_mask.sum(1) - 1  # (B,)
-        if c.kind == "ctc":
-            real = tokens != pad
-            repeats = ((tokens[:, 1:] == tokens[:, :-1]) & real[:, 1:]).sum(1)
-            fits = lengths + repeats <= c.ctc_upsample * source_mask.sum(1)
-            skipped = int((~fits).sum())
-            if skipped:
-                if skipped == len(fits):
-                    zero = sum(p.sum() * 0.0 for p in model.parameters())
-                    return zero, 0, skipped
-                width = int(source_mask[fits].sum(1).max())
-                source, source_mask = source[fits, :width], source_mask[fits, :width]
-                tokens, lengths = tokens[fits], lengths[fits]
-            logits, decoder_mask, _ = model(source, source_mask)
-            count = int(lengths.sum())
-            return ctc_loss(logits, decoder_mask, tokens, lengths, c.blank_id) / max(count, 1), count, skipped
-        memory = model.encode(source, source_mask)
-        length_loss = F.cross_entropy(model.length_logits(memory, source_mask).float(),
-                                      model.length_classes(source_mask.sum(1), lengths))
-        if c.kind == "cmlm":
-            masked = random_mask(tokens != pad, generator)
-            inputs, decoder_mask = model.decoder_inputs(source, source_mask,
-                                                        tokens=tokens.masked_fill(masked, c.mask_id))
-            targets = tokens.masked_fill(~masked, pad)
-        else:
-            inputs, decoder_mask = model.decoder_inputs(source, source_mask, lengths)
-            targets = tokens
-        logits = model.decode_parallel(inputs, decoder_mask, memory, source_mask)
-        token_loss = cross_entropy(logits, targets, label_smoothing=label_smoothing, ignore_index=pad)
-        return token_loss + c.length_loss_weight * length_loss, int((targets != pad).sum()), 0
+        return NAT_KINDS.get(model.config.kind).loss(model, batch.source, batch.source_mask, tokens, lengths,
+                                                     label_smoothing, generator)
 
     # ---- evaluation ---------------------------------------------------------------------------
 
@@ -163,7 +135,7 @@ class NATTranslationTask(TranslationTask):
     def evaluate(self, model: nn.Module, max_batches: int | None = -1, split: str | None = None) -> dict[str, float]:
         """``{split}_loss`` (the training loss without label smoothing; cmlm's masks drawn from a fixed seed)
         and, with ``data.bleu``, ``{split}_bleu`` by parallel decoding (``data.iterations``,
-        ``data.length_beam``); ``skipped_pairs`` for ctc."""
+        ``data.length_beam``, as the kind takes them); ``skipped_pairs`` for kinds that skip pairs (ctc)."""
         split = split or self.data.valid
         name = "val" if split == self.data.valid else split
         max_batches = self.eval_batches if max_batches == -1 else max_batches
@@ -178,7 +150,8 @@ class NATTranslationTask(TranslationTask):
         if count == 0:
             raise DataError(f"the {split!r} split is empty: nothing to evaluate")
         metrics: dict[str, float] = {f"{name}_loss": total / max(count, 1), "tokens": count}
-        if model.config.kind == "ctc":
+        kind = NAT_KINDS.get(model.config.kind)
+        if kind.skips_pairs:
             metrics["skipped_pairs"] = self.skipped_pairs
         if self.data.bleu:
             from ..evaluation import compute_metrics
@@ -188,22 +161,8 @@ class NATTranslationTask(TranslationTask):
             references = self.dataset.sentences(split, "target")
             if self.data.bleu_sentences is not None:
                 sources, references = sources[:self.data.bleu_sentences], references[:self.data.bleu_sentences]
-            kind = model.config.kind
-            hypotheses = translate(model, self.tokenizer, sources, max_tokens=self.data.max_tokens,
-                                   iterations=self.data.iterations if kind == "cmlm" else None,
-                                   length_beam=self.data.length_beam if kind != "ctc" else None)
+            options = {option: getattr(self.data, option) for option in kind.options}  # iterations, length_beam
+            hypotheses = translate(model, self.tokenizer, sources, max_tokens=self.data.max_tokens, **options)
             metrics[f"{name}_bleu"] = compute_metrics(["bleu"], hypotheses, references).scores["bleu"]
         return metrics
-
-
-def random_mask(real: Tensor, generator: torch.Generator | None = None) -> Tensor:
-    """CMLM's training mask: in each row of ``real`` (B, L) (True = a target token) a uniformly random number
-    n in 1..L_i of the tokens, chosen uniformly -> (B, L) bool."""
-    B, L = real.shape
-    lengths = real.sum(1)
-    counts = (torch.rand(B, generator=generator, device=real.device) * lengths).long().clamp(max=lengths - 1) + 1
-    scores = torch.rand(B, L, generator=generator, device=real.device).masked_fill(~real, 2.0)
-    rank = torch.empty_like(scores, dtype=torch.long).scatter_(
-        1, scores.argsort(dim=1), torch.arange(L, device=real.device).expand(B, L))
-    return (rank < counts[:, None]) & real
 

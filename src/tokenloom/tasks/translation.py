@@ -28,6 +28,7 @@ from ..data.parallel import ParallelBatch, ParallelDataset, read_parallel
 from ..data.tokenizers import TRANSLATION_EOS_TOKEN, Tokenizer
 from ..errors import ConfigError, DataError, GenerationError
 from ..models.factory import create_model, model_config_from_dict
+from ..models.nat_kinds import decoding_options
 from ..models.registry import MODELS, decoding_of
 from .losses import cross_entropy
 from .registry import TASKS, Sharded
@@ -285,9 +286,9 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
               no_repeat_ngram_size: int = 0, truncate: bool = True, iterations: int | None = None,
               length_beam: int | None = None, rescorer: nn.Module | None = None) -> list[str]:
     """Translate ``sentences`` (in order) with an encoder-decoder: greedy (``beam=1``) or beam search; a
-    non-autoregressive model (:mod:`tokenloom.models.nat`) decodes in parallel instead (``iterations`` for
-    cmlm, ``length_beam`` and ``rescorer`` for nat and cmlm; defaults 10 and 3; see
-    :func:`tokenloom.generation.nat.nat_decode`).
+    non-autoregressive model (:mod:`tokenloom.models.nat`) decodes in parallel instead, with the options its kind
+    takes (``NATKind.options``: ``iterations`` for cmlm, ``length_beam`` and ``rescorer`` for nat and cmlm;
+    defaults 10 and 3; see :func:`tokenloom.generation.nat.nat_decode`).
 
     Sentences are sorted by length and batched up to ``max_tokens`` source tokens (times the beam); each
     batch generates at most ``max_len_a * source_length + max_len_b`` tokens (capped by the model's
@@ -334,27 +335,14 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
 
 def check_decoding_options(model: nn.Module, *, beam: int = 1, iterations: int | None = None,
                            length_beam: int | None = None, rescorer: nn.Module | None = None) -> dict[str, int]:
-    """One-line errors for decoding options that the model's kind does not take; for a non-autoregressive
-    model, its parallel-decoding options with the defaults filled in (cmlm: iterations 10; nat and cmlm:
-    length beam 3), else {}."""
-    kind = getattr(model.config, "kind", None)  # nat | cmlm | ctc for non-autoregressive models
-    if kind is None:
+    """One-line errors for decoding options that the model does not take; for a non-autoregressive (parallel)
+    model, the options of its kind with the defaults filled in (:func:`tokenloom.models.nat_kinds.decoding_options`:
+    cmlm: iterations 10; nat and cmlm: length beam 3), else {}."""
+    if decoding_of(model) != "parallel":
         for name, value in (("iterations", iterations), ("length_beam", length_beam), ("rescorer", rescorer)):
             if value is not None:
                 raise ConfigError(f"{name.replace('_', ' ')} is an option of non-autoregressive models; this "
                                   "model is autoregressive (use beam)")
         return {}
-    if beam != 1:
-        raise ConfigError(f"beam is an option of autoregressive models; this {kind} model decodes in parallel "
-                          "(use length beam)")
-    if iterations is not None and kind != "cmlm":
-        raise ConfigError(f"iterations is an option of cmlm models; this model is {kind}")
-    if kind == "ctc" and (length_beam is not None or rescorer is not None):
-        raise ConfigError("a ctc model has no length candidates: length beam and rescoring do not apply")
-    for name, value in (("iterations", iterations), ("length_beam", length_beam)):
-        if value is not None and value < 1:
-            raise ConfigError(f"{name.replace('_', ' ')} must be >= 1, got {value}")
-    resolved = {"iterations": iterations or 10} if kind == "cmlm" else {}
-    if kind in ("nat", "cmlm"):
-        resolved["length_beam"] = length_beam or 3
-    return resolved
+    return decoding_options(model.config.kind, beam=beam, iterations=iterations, length_beam=length_beam,
+                            rescorer=rescorer)

@@ -1,0 +1,55 @@
+"""Kind ``nat`` (Gu et al. 2018): a length predictor over the encoder output; the decoder reads, for each
+predicted length, a uniform copy of the source embeddings (``decoder_input: copy``: target position j of a
+length-L_i sentence reads source position floor(j * S_i / L_i)) or position queries alone (``position``); one
+parallel pass. Trained with cross-entropy over every target position (plus the length loss); decoded by one
+argmax pass per length candidate (``length_beam``, optionally rescored by an autoregressive model).
+
+Shapes: source (B, S), source_mask (B, S), target_lengths (B,) -> inputs (B, T, C), mask (B, T); T = the longest
+length.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from ...errors import GenerationError
+from .base import NAT_KINDS, NATKind
+
+
+def length_inputs(model: Any, source: Tensor, source_mask: Tensor, target_lengths: Tensor | None,
+                  copy: bool = True) -> tuple[Tensor, Tensor]:
+    """For ``target_lengths`` (B,): the uniform copy of the source embeddings (``copy``) or zeros (B, T, C), and
+    the mask (B, T) of the first ``target_lengths`` positions."""
+    c = model.config
+    if target_lengths is None:
+        raise GenerationError(f"a {c.kind} decoder needs the target lengths")
+    source_embeds = model.scale_embeddings(model.src_embed(source))  # (B, S, C)
+    source_lengths = source_mask.sum(1)
+    T = int(target_lengths.max())
+    positions = torch.arange(T, device=source.device)
+    mask = (positions[None] < target_lengths[:, None]).long()  # (B, T)
+    if not copy:
+        return source_embeds.new_zeros(source.shape[0], T, c.embed_dim), mask
+    # uniform copy: target position j of a length-L_i sentence reads source position floor(j * S_i / L_i)
+    index = (positions[None] * source_lengths[:, None]) // target_lengths.clamp(min=1)[:, None]  # (B, T)
+    index = index.clamp(max=source.shape[1] - 1)
+    return source_embeds.gather(1, index[..., None].expand(-1, -1, c.embed_dim)), mask
+
+
+class NAT(NATKind):
+    name: ClassVar[str] = "NAT"
+
+    def decoder_inputs(self, model: Any, source: Tensor, source_mask: Tensor, target_lengths: Tensor | None = None,
+                       tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        return length_inputs(model, source, source_mask, target_lengths,
+                             copy=model.config.decoder_input == "copy")
+
+    def bench_variants(self, can_rescore: bool) -> list[dict[str, Any]]:
+        return [dict(length_beam=1), dict(length_beam=3)] + ([dict(length_beam=3, rescore=True)] if can_rescore
+                                                              else [])
+
+
+NAT_KINDS.register("nat")(NAT())
