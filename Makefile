@@ -26,7 +26,7 @@ test: install
 # The tests that train or compare floats, again under other CPU kernels than this CPU's own (the vectorised ATen
 # kernels, oneDNN's and MKL's instruction sets, one thread), each with its own Inductor cache: the suite must pass on
 # any x86-64 CPU, not only on the one it was written on. .ci/run runs this after `make test`.
-KERNEL_TESTS := tests/models tests/training tests/generation tests/nn tests/tasks tests/interop
+KERNEL_TESTS := tests/models tests/training tests/generation tests/nn tests/tasks tests/interop tests/registry
 KERNEL_SETTINGS := \
 	"ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2" \
 	"ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1"

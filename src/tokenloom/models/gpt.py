@@ -153,6 +153,13 @@ class GPT(nn.Module):
         rows at different lengths; ``positions`` then given). A one-token step in eval mode runs the blocks as
         plain functions (:func:`~tokenloom.nn.block.step_functions`), the same bodies as the modules.
         """
+        return self._features(input_ids, positions, attention_mask, cache, need_weights,
+                              self._steps(cache, input_ids.shape[1], need_weights))
+
+    def _features(self, input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None,
+                  cache: DecodeCache | None, need_weights: bool,
+                  steps: StepFunctions | None) -> tuple[Tensor, list[Tensor | None]]:
+        """:meth:`forward_features` with the step functions looked up (None: the modules run)."""
         B, T = input_ids.shape
         span = cache.span(T, attention_mask) if cache is not None else sequence_span(T, attention_mask)
         if span.past is not None:
@@ -167,7 +174,6 @@ class GPT(nn.Module):
                 positions = positions_from_mask(attention_mask)[:, span.past:]
             else:
                 positions = torch.arange(span.past, span.keys, device=device)[None].expand(B, T)
-        steps = self._steps(cache, T, need_weights)
         x = self.tok_embed(input_ids) if steps is None else torch.embedding(self.tok_embed.weight, input_ids)
         added = self.position.embed(positions)
         if added is not None:
@@ -182,8 +188,9 @@ class GPT(nn.Module):
         layers = cache.layers if cache is not None else [None] * len(self.blocks)
         if steps is not None:
             x = x.view(B, -1)  # (B, C): the step functions take one position per row
+            mask, rope = ctx.mask, ctx.rope
             for block, layer in zip(steps.blocks, layers, strict=True):
-                x = block(x, ctx._replace(cache=layer))
+                x = block(x, Context(mask, False, rope, layer))
             cache.advance(1)
             return steps.final_norm(x).view(B, 1, -1), [None] * len(steps.blocks)
         weights = []
@@ -212,9 +219,8 @@ class GPT(nn.Module):
     def forward(self, input_ids: Tensor, *, positions: Tensor | None = None, attention_mask: Tensor | None = None,
                 cache: DecodeCache | None = None) -> Tensor:
         """(B, T) token ids -> (B, T, V) logits."""
-        hidden, _ = self.forward_features(input_ids, positions=positions, attention_mask=attention_mask,
-                                          cache=cache)
-        steps = self._steps(cache, hidden.shape[1])
+        steps = self._steps(cache, input_ids.shape[1])
+        hidden, _ = self._features(input_ids, positions, attention_mask, cache, False, steps)
         return steps.head(hidden[:, 0])[:, None] if steps is not None else self.forward_head(hidden)
 
 

@@ -225,8 +225,9 @@ class EncoderDecoder(nn.Module):
         memory_mask = cache.memory_mask if cache is not None else self.memory_mask(source_mask, dtype)
         ctx = Context(mask, is_causal, self.tgt_position.rotary(positions), memory_mask=memory_mask)
         if steps is not None:
+            mask, rope = ctx.mask, ctx.rope
             for block, layer, kv in zip(steps.blocks, cache.layers, cache.memory, strict=True):
-                x = block(x, ctx._replace(cache=layer, memory=kv))
+                x = block(x, Context(mask, False, rope, layer, kv, memory_mask))
             cache.advance(1)
             return steps.head(steps.final_norm(x)).view(B, 1, -1)
         if cache is None and plain_eval(self.decoder):  # teacher forcing in eval mode (validation, rescoring)

@@ -327,8 +327,9 @@ class MultiHeadAttention(nn.Module):
         rows (the beams of one sentence) attends to one memory row: the group is folded into the query length,
         so the memory is never copied per beam (``ctx.memory_mask`` is then (Bm, 1, 1, S))."""
         H, Hkv, D = self.num_heads, self.num_kv_heads, self.head_dim
+        step = x.dim() == 2  # one position per row (a decode step): not recorded by capture_attention_of
         B = x.shape[0]
-        T = x.shape[1] if x.dim() == 3 else 1
+        T = 1 if step else x.shape[1]
         fold = 1
         if self.cross:
             if ctx.memory is None:
@@ -348,9 +349,13 @@ class MultiHeadAttention(nn.Module):
                 if rope is not None:
                     q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
             else:
-                qkv = qkv.view(B, T, H + 2 * Hkv, D).transpose(1, 2)  # (B, H + 2Hkv, T, D)
-                qk = qkv[:, :H + Hkv] if rope is None else apply_rotary(qkv[:, :H + Hkv], *rope)  # q, k together
-                q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]
+                # (B, H + 2Hkv, T, D); one position per row needs no transpose
+                qkv = qkv.view(B, H + 2 * Hkv, 1, D) if step else qkv.view(B, T, H + 2 * Hkv, D).transpose(1, 2)
+                if rope is None:
+                    q, k, v = qkv.split_with_sizes((H, Hkv, Hkv), 1)
+                else:
+                    qk, v = qkv.split_with_sizes((H + Hkv, Hkv), 1)
+                    q, k = apply_rotary(qk, *rope).split_with_sizes((H, Hkv), 1)  # q and k rotated together
             mask, causal = ctx.mask, ctx.is_causal
             if queries is not None:
                 assert ctx.cache is None and not causal, "queries is for uncached attention without a causal mask"
@@ -359,12 +364,13 @@ class MultiHeadAttention(nn.Module):
                     mask = mask[..., :queries, :]
             if ctx.cache is not None:
                 k, v = ctx.cache.update(k, v)
-        if _capturing():
+        if not step and _capturing():
             _record(self, q, k, mask, causal)
         out, weights = self.backend(q, k, v, mask, causal, dropout, need_weights)
         if fold != 1:
             out = out.view(-1, H, fold, T, D).transpose(1, 2).reshape(B, H, T, D)
-        out = out.transpose(1, 2).reshape((B, T, H * D) if x.dim() == 3 else (B, H * D))
+        out = out.reshape(B, H * D) if step and fold == 1 else \
+            out.transpose(1, 2).reshape((B, H * D) if step else (B, T, H * D))
         return linear_out(out, residual), weights
 
     def project(self, out: Tensor, residual: Tensor | None = None) -> Tensor:

@@ -61,11 +61,10 @@ class DenseLayer:
         self.k, self.v, self.owner = k, v, owner
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        start = self.owner.length
-        end = start + k.shape[-2]
-        self.k[:, :, start:end] = k
-        self.v[:, :, start:end] = v
-        return self.k[:, :, :end], self.v[:, :, :end]
+        start, T = self.owner.length, k.shape[-2]
+        self.k.narrow(2, start, T).copy_(k)  # narrow + copy_: one call each (slice assignment parses its index)
+        self.v.narrow(2, start, T).copy_(v)
+        return self.k.narrow(2, 0, start + T), self.v.narrow(2, 0, start + T)
 
 
 class StaticLayer:
