@@ -174,17 +174,17 @@ class GPT(nn.Module):
                 positions = positions_from_mask(attention_mask)[:, span.past:]
             else:
                 positions = torch.arange(span.past, span.keys, device=device)[None].expand(B, T)
+        position = self.position
         x = self.tok_embed(input_ids) if steps is None else torch.embedding(self.tok_embed.weight, input_ids)
-        added = self.position.embed(positions)
+        added = position.embed(positions)
         if added is not None:
             x = x + added
         if self.training:
             x = self.embed_dropout(x)
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") and device.type == "cpu" \
             else x.dtype
-        mask, is_causal = attention_mask_for(span, T, causal=True, position=self.position, dtype=dtype,
-                                             device=device)
-        ctx = Context(mask, is_causal, self.position.rotary(positions))
+        mask, is_causal = attention_mask_for(span, T, causal=True, position=position, dtype=dtype, device=device)
+        ctx = Context(mask, is_causal, position.rotary(positions))
         layers = cache.layers if cache is not None else [None] * len(self.blocks)
         if steps is not None:
             x = x.view(B, -1)  # (B, C): the step functions take one position per row
@@ -210,7 +210,10 @@ class GPT(nn.Module):
         one position, weights asked for, a cache strategy that wants the modules, forward hooks)."""
         if T != 1 or cache is None or not cache.plain or need_weights or self.training:
             return None
-        return step_functions(self, cache, self.blocks, self.final_norm, self.lm_head)
+        return step_functions(self, cache, self._decoder_parts)
+
+    def _decoder_parts(self) -> tuple[nn.ModuleList, nn.Module, nn.Linear]:
+        return self.blocks, self.final_norm, self.lm_head
 
     def forward_head(self, hidden: Tensor) -> Tensor:
         """(B, T, C) -> (B, T, V) logits."""

@@ -209,7 +209,7 @@ class EncoderDecoder(nn.Module):
             positions = torch.arange(span.past, span.keys, device=target.device)[None].expand(B, T)
         steps = None
         if T == 1 and cache is not None and not self.training:
-            steps = step_functions(self, cache, self.decoder, self.decoder_norm, self.lm_head)
+            steps = step_functions(self, cache, lambda: (self.decoder, self.decoder_norm, self.lm_head))
         if steps is None:
             x = self._embed(target, self.tgt_embed, self.tgt_position, positions)
         else:  # one position per row, (B, C)

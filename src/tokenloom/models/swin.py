@@ -248,10 +248,10 @@ class SwinBlock(nn.Module):
         return pre_norm(x, NO_CONTEXT, attn, None, self._mlp(fused), self.norm1, None, self.norm2)
 
     def _mlp(self, fused: bool):
-        """The MLP sublayer ``(h, ctx, residual) -> residual + mlp(h)`` (fused, or through drop-path)."""
+        """The MLP sublayer ``(h, residual) -> residual + mlp(h)`` (fused, or through drop-path)."""
         if fused:
-            return lambda h, ctx, residual: self.mlp.add_to(residual, h)
-        return lambda h, ctx, residual: residual + self.drop_path(self.mlp(h))
+            return lambda h, residual: self.mlp.add_to(residual, h)
+        return lambda h, residual: residual + self.drop_path(self.mlp(h))
 
 
 class PatchMerging(nn.Module):

@@ -227,7 +227,6 @@ class Context(NamedTuple):
 NO_CONTEXT = Context()
 
 Linear = Callable[[Tensor], Tensor]
-OutLinear = Callable[[Tensor, Tensor | None], Tensor]  # (heads' output, residual | None) -> residual + out_proj
 
 
 class MultiHeadAttention(nn.Module):
@@ -288,8 +287,10 @@ class MultiHeadAttention(nn.Module):
         if memory is not None:
             ctx = ctx._replace(memory=MemoryLayer(*self.memory_kv(memory)))
         linear_in = self.q_proj if self.cross else self.qkv_proj
-        return self.attend(x, ctx, residual, linear_in, self.project, self.dropout if self.training else 0.0,
-                           need_weights, queries)
+        weights: list[Tensor | None] = [None]
+        out = self.attend(linear_in, self.project, False, x, ctx, residual, self.dropout if self.training else 0.0,
+                          need_weights, queries, weights)
+        return out, weights[0]
 
     def bind(self, rows: int | None = None) -> Callable[[Tensor, Context, Tensor], Tensor]:
         """The same attention as a plain eval-mode function ``(x, ctx, residual) -> residual + attention(x)``,
@@ -304,23 +305,19 @@ class MultiHeadAttention(nn.Module):
 
             def linear_out(out: Tensor, residual: Tensor) -> Tensor:
                 return linear_add(out, w_out, b_out, residual)
-        else:
-            linear_in = decode_linear(proj.weight, proj.bias, rows=None if self.cross else rows)
-            out_linear = decode_linear(w_out, b_out, rows=None if self.cross else rows)
 
-            def linear_out(out: Tensor, residual: Tensor) -> Tensor:
-                return residual + out_linear(out)
-        attend = self.attend
+            return partial(self.attend, linear_in, linear_out, False)
+        linear_in = decode_linear(proj.weight, proj.bias, rows=None if self.cross else rows)
+        out_linear = decode_linear(w_out, b_out, rows=None if self.cross else rows)
+        return partial(self.attend, linear_in, out_linear, True)
 
-        def run(x: Tensor, ctx: Context, residual: Tensor) -> Tensor:
-            return attend(x, ctx, residual, linear_in, linear_out, 0.0, False, None)[0]
-
-        return run
-
-    def attend(self, x: Tensor, ctx: Context, residual: Tensor | None, linear_in: Linear, linear_out: OutLinear,
-               dropout: float, need_weights: bool, queries: int | None) -> tuple[Tensor, Tensor | None]:
-        """The one attention body, with its projections bound by the caller: x (B, T, C) or (B, C) (one position
-        per row) -> (linear_out(heads' output, residual), weights | None).
+    def attend(self, linear_in: Linear, linear_out: Callable, add: bool, x: Tensor, ctx: Context,
+               residual: Tensor | None, dropout: float = 0.0, need_weights: bool = False, queries: int | None = None,
+               weights: list | None = None) -> Tensor:
+        """The one attention body, with its projections bound by the caller (a partial of the first three: the
+        entry points): x (B, T, C) or (B, C) (one position per row) -> ``residual + linear_out(heads' output)``
+        with ``add``, else ``linear_out(heads' output, residual)`` (a fused projection + residual); the attention
+        probabilities (or None) go into ``weights[0]`` when a list is given.
 
         Self-attention stores the new keys and values through ``ctx.cache`` and attends over what it returns.
         Cross-attention reads ``ctx.memory``; when x has ``B = Bm * g`` rows, each group of ``g`` consecutive
@@ -366,12 +363,14 @@ class MultiHeadAttention(nn.Module):
                 k, v = ctx.cache.update(k, v)
         if not step and _capturing():
             _record(self, q, k, mask, causal)
-        out, weights = self.backend(q, k, v, mask, causal, dropout, need_weights)
+        out, probs = self.backend(q, k, v, mask, causal, dropout, need_weights)
         if fold != 1:
             out = out.view(-1, H, fold, T, D).transpose(1, 2).reshape(B, H, T, D)
         out = out.reshape(B, H * D) if step and fold == 1 else \
             out.transpose(1, 2).reshape((B, H * D) if step else (B, T, H * D))
-        return linear_out(out, residual), weights
+        if weights is not None:
+            weights[0] = probs
+        return residual + linear_out(out) if add else linear_out(out, residual)
 
     def project(self, out: Tensor, residual: Tensor | None = None) -> Tensor:
         """The output projection of the heads' concatenation ``out`` (..., C), plus ``residual`` if given."""

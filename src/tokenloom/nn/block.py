@@ -24,6 +24,7 @@ block runs bind that one body differently:
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from collections.abc import Callable
 from typing import NamedTuple
@@ -40,26 +41,27 @@ from .norms import create_norm
 BLOCKS: Registry[type[nn.Module]] = Registry("norm placement")
 
 Sublayer = Callable[[Tensor, Context, Tensor], Tensor]  # (h, ctx, residual) -> residual + sublayer(h)
+MLPSublayer = Callable[[Tensor, Tensor], Tensor]  # (h, residual) -> residual + mlp(h)
 Norm = Callable[[Tensor], Tensor]
 BlockFunction = Callable[[Tensor, Context], Tensor]
 
 
-def pre_norm(x: Tensor, ctx: Context, attn: Sublayer, cross: Sublayer | None, mlp: Sublayer, norm1: Norm,
+def pre_norm(x: Tensor, ctx: Context, attn: Sublayer, cross: Sublayer | None, mlp: MLPSublayer, norm1: Norm,
              norm_cross: Norm | None, norm2: Norm) -> Tensor:
     """The pre-norm residual arithmetic (GPT-2, Llama, ViT, Swin)."""
     x = attn(norm1(x), ctx, x)
     if cross is not None:
         x = cross(norm_cross(x), ctx, x)
-    return mlp(norm2(x), ctx, x)
+    return mlp(norm2(x), x)
 
 
-def post_norm(x: Tensor, ctx: Context, attn: Sublayer, cross: Sublayer | None, mlp: Sublayer, norm1: Norm,
+def post_norm(x: Tensor, ctx: Context, attn: Sublayer, cross: Sublayer | None, mlp: MLPSublayer, norm1: Norm,
               norm_cross: Norm | None, norm2: Norm) -> Tensor:
     """The post-norm residual arithmetic (the original Transformer)."""
     x = norm1(attn(x, ctx, x))
     if cross is not None:
         x = norm_cross(cross(x, ctx, x))
-    return norm2(mlp(x, ctx, x))
+    return norm2(mlp(x, x))
 
 
 def has_forward_hooks(module: nn.Module) -> bool:
@@ -154,7 +156,7 @@ class _Block(nn.Module):
                 return cross_module(h, ctx, memory=memory, residual=residual)[0]
             return residual + dropout(cross_module(h, ctx, memory=memory)[0])
 
-        def mlp(h: Tensor, ctx: Context, residual: Tensor) -> Tensor:
+        def mlp(h: Tensor, residual: Tensor) -> Tensor:
             return mlp_add(mlp_module, residual, h) if fused else residual + mlp_module(h)
 
         x = self.body(x, ctx, attn, cross if cross_module is not None else None, mlp, self.norm1, self.norm_cross,
@@ -169,13 +171,10 @@ class _Block(nn.Module):
         if rows is None:
             mlp_module = self.mlp
 
-            def mlp(h: Tensor, ctx: Context, residual: Tensor) -> Tensor:
+            def mlp(h: Tensor, residual: Tensor) -> Tensor:
                 return mlp_add(mlp_module, residual, h)
         else:
-            mlp_function = inference_function(self.mlp, rows=rows)
-
-            def mlp(h: Tensor, ctx: Context, residual: Tensor) -> Tensor:
-                return residual + mlp_function(h)
+            mlp = residual_function(self.mlp, rows)
         norm1, norm2 = inference_function(self.norm1), inference_function(self.norm2)
         norm_cross = inference_function(self.norm_cross) if self.norm_cross is not None else None
         body = self.body
@@ -184,6 +183,16 @@ class _Block(nn.Module):
             return body(x, ctx, attn, cross, mlp, norm1, norm_cross, norm2)
 
         return block
+
+
+def residual_function(mlp: nn.Module, rows: int) -> MLPSublayer:
+    """``(h, residual) -> residual + mlp(h)`` as a plain decode-step function: the MLP's own
+    ``inference_function(rows, residual=True)`` where it has one (one call less per layer), else a wrapper."""
+    make = getattr(mlp, "inference_function", None)
+    if make is not None and "residual" in inspect.signature(make).parameters:
+        return make(rows=rows, residual=True)
+    function = inference_function(mlp, rows=rows)  # an MLP without the residual form (or without a plain form)
+    return lambda h, residual: residual + function(h)
 
 
 def mlp_add(mlp: nn.Module, residual: Tensor, x: Tensor) -> Tensor:
@@ -210,34 +219,37 @@ class StepFunctions(NamedTuple):
     head: Callable[[Tensor], Tensor]  # (B, C) -> (B, V)
 
 
-# cache -> (model, rows, StepFunctions | None): built once per cache and batch size, held only while the cache lives
-_STEPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+# id(cache) -> (weakref to the cache, model, rows, StepFunctions | None): built once per cache and batch size, held
+# only while the cache lives (a dict by id with a weakref check: one lookup per decode step, no weakref made per call)
+_STEPS: dict[int, tuple] = {}
 
 
-def step_functions(model: nn.Module, cache, blocks: nn.ModuleList, final_norm: nn.Module,
-                   head: nn.Linear) -> StepFunctions | None:
-    """The plain one-token step of ``model`` (its ``blocks``, ``final_norm`` and output layer ``head``) for
+def step_functions(model: nn.Module, cache,
+                   parts: Callable[[], tuple[nn.ModuleList, nn.Module, nn.Linear]]) -> StepFunctions | None:
+    """The plain one-token step of ``model`` (``parts()``: its blocks, final norm and output layer) for
     ``cache``'s batch size, built on first use and kept while ``cache`` lives (beam search's ``select``, which
     changes the batch size, builds it anew); None when forward hooks watch a submodule (the modules run then).
     The one builder behind every model's fast decode path: nothing is stored on the cache or the model."""
     rows = cache.batch_size
-    entry = _STEPS.get(cache)
-    if entry is not None and entry[0] is model and entry[1] == rows:
-        return entry[2]
+    entry = _STEPS.get(id(cache))
+    if entry is not None and entry[0]() is cache and entry[1] is model and entry[2] == rows:
+        return entry[3]
     functions = None
     if not has_forward_hooks(model):
+        blocks, final_norm, head = parts()
         functions = StepFunctions(blocks=[block.bind(rows) for block in blocks],
                                   final_norm=inference_function(final_norm),
                                   head=decode_linear(head.weight, head.bias, rows=rows))
-    _STEPS[cache] = (model, rows, functions)
+    key = id(cache)
+    _STEPS[key] = (weakref.ref(cache, lambda _: _STEPS.pop(key, None)), model, rows, functions)
     return functions
 
 
 def runs_plain(cache) -> bool | None:
     """Whether one-token steps over ``cache`` run as plain functions (True), call the modules because hooks watch
     them (False), or have not run yet (None): what tests of the fast path check."""
-    entry = _STEPS.get(cache)
-    return None if entry is None else entry[2] is not None
+    entry = _STEPS.get(id(cache))
+    return None if entry is None or entry[0]() is not cache else entry[3] is not None
 
 
 def create_block(norm_placement: str, *args, **kwargs) -> nn.Module:

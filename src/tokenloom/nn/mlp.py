@@ -47,10 +47,15 @@ class _TwoLayerMLP(nn.Module):
         h = linear_act(x, self.fc_in.weight, self.fc_in.bias, self.act_name)
         return linear_add(h, self.fc_out.weight, self.fc_out.bias, residual)
 
-    def inference_function(self, rows: int | None = None) -> Callable[[Tensor], Tensor]:
+    def inference_function(self, rows: int | None = None, residual: bool = False) -> Callable[..., Tensor]:
         fc_in = decode_linear(self.fc_in.weight, self.fc_in.bias, rows)
         fc_out = decode_linear(self.fc_out.weight, self.fc_out.bias, rows)
         act = self.inference_act()
+        if residual:
+            def mlp_add(x: Tensor, residual: Tensor) -> Tensor:
+                return residual + fc_out(act(fc_in(x)))
+
+            return mlp_add
 
         def mlp(x: Tensor) -> Tensor:
             return fc_out(act(fc_in(x)))
@@ -138,10 +143,15 @@ class SwiGLU(nn.Module):
         h = linear_act(x, self.fc_gate.weight, self.fc_gate.bias, "silu") * self.fc_up(x)
         return linear_add(h, self.fc_out.weight, self.fc_out.bias, residual)
 
-    def inference_function(self, rows: int | None = None) -> Callable[[Tensor], Tensor]:
+    def inference_function(self, rows: int | None = None, residual: bool = False) -> Callable[..., Tensor]:
         gate, up = decode_linear(self.fc_gate.weight, self.fc_gate.bias, rows), \
             decode_linear(self.fc_up.weight, self.fc_up.bias, rows)
         fc_out = decode_linear(self.fc_out.weight, self.fc_out.bias, rows)
+        if residual:
+            def mlp_add(x: Tensor, residual: Tensor) -> Tensor:
+                return residual + fc_out(F.silu(gate(x)) * up(x))
+
+            return mlp_add
 
         def mlp(x: Tensor) -> Tensor:
             return fc_out(F.silu(gate(x)) * up(x))
