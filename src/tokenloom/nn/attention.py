@@ -385,8 +385,4 @@ class MultiHeadAttention(nn.Module):
         return k, v
 
 
-from .linear_attention import LinformerAttention, PerformerAttention  # noqa: E402  (they register here)
-
-ATTENTION_BACKENDS.register("performer")(PerformerAttention)
-ATTENTION_BACKENDS.register("linformer")(LinformerAttention)
 load_backend_files()  # the backends in files of their own (tokenloom/nn/backends/)
