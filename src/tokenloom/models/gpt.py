@@ -184,13 +184,13 @@ class GPT(nn.Module):
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") and device.type == "cpu" \
             else x.dtype
         mask, is_causal = attention_mask_for(span, T, causal=True, position=position, dtype=dtype, device=device)
-        ctx = Context(mask, is_causal, position.rotary(positions))
+        ctx = Context(mask, is_causal, position.rotary(positions), ragged=span.ragged)
         layers = cache.layers if cache is not None else [None] * len(self.blocks)
         if steps is not None:
             x = x.view(B, -1)  # (B, C): the step functions take one position per row
             mask, rope = ctx.mask, ctx.rope
             for block, layer in zip(steps.blocks, layers, strict=True):
-                x = block(x, Context(mask, False, rope, layer))
+                x = block(x, Context(mask, False, rope, layer, ragged=span.ragged))
             cache.advance(1)
             return steps.final_norm(x).view(B, 1, -1), [None] * len(steps.blocks)
         weights = []

@@ -116,31 +116,33 @@ def explicit_training(q: Tensor, keys: int) -> bool:
         q.dtype == torch.bfloat16 or keys <= EXPLICIT_TRAINING_MAX_KEYS)
 
 
-def _masked_one_query(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor) -> Tensor:
-    """Exact attention of one query per (row, head) under an additive mask (B, 1|H, 1, S): q (B, H, 1, D), k and
-    v (B, H, S, D) slices of a cache -> (B, H, 1, D), as ``baddbmm`` (mask + scaled scores in one product) +
-    softmax + ``bmm``: on CPU ~25% faster than the fused kernel with a mask (16 rows x 6 heads x 64, 60-250
-    keys: 120 vs 180 us, 493 vs 588 us), the same to float rounding."""
-    B, H, S, D = k.shape
-    bias = attn_mask.expand(B, H, 1, S).reshape(B * H, 1, S).to(q.dtype)
-    scores = torch.baddbmm(bias, q.reshape(B * H, 1, D), k.reshape(B * H, S, D).transpose(1, 2),
-                           alpha=1.0 / math.sqrt(D))  # (BH, 1, S)
-    return torch.bmm(scores.softmax(-1), v.reshape(B * H, S, D)).view(B, H, 1, D)
-
-
 @ATTENTION_BACKENDS.register("sdpa")
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
                    dropout_p: float, need_weights: bool) -> tuple[Tensor, None]:
-    if (attn_mask is not None and q.shape[-2] == 1 and q.dim() == 4 and q.shape[1] == k.shape[1]
-            and q.device.type == "cpu" and attn_mask.dtype != torch.bool and not torch.is_grad_enabled()
-            and not torch.compiler.is_compiling()):  # one query per row under a float mask: a decode step
-        return _masked_one_query(q, k, v, attn_mask), None
     if explicit_training(q, k.shape[-2]):
         return _explicit_training_attention(q, k, v, attn_mask, is_causal, dropout_p), None
     gqa = q.shape[1] != k.shape[1]
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
                                          is_causal=is_causal and attn_mask is None, enable_gqa=gqa)
     return out, None
+
+
+def ragged_rows_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
+                          dropout_p: float, need_weights: bool) -> tuple[Tensor, None]:
+    """``sdpa`` for rows at different lengths (:attr:`Context.ragged`: one query per row, an additive mask
+    (B, 1|H, 1, S) hiding each row's later keys): on CPU, without grouped-query heads, as ``baddbmm`` (mask +
+    scaled scores in one product) + softmax + ``bmm``, ~15-25% faster than the fused kernel with a mask at a
+    server's batch (16 rows x 6 heads x 64, 60-250 keys: 120 vs 180 us, 493 vs 588 us), the same to float
+    rounding; slower for small batches (8 rows x 4 heads x 32, 40 keys: 28 vs 22 us), so used for ragged rows
+    only, as before the one path."""
+    if (attn_mask is None or q.device.type != "cpu" or q.shape[1] != k.shape[1] or attn_mask.dtype == torch.bool
+            or torch.is_grad_enabled() or torch.compiler.is_compiling()):
+        return sdpa_attention(q, k, v, attn_mask, is_causal, dropout_p, need_weights)
+    B, H, S, D = k.shape
+    bias = attn_mask.expand(B, H, 1, S).reshape(B * H, 1, S).to(q.dtype)
+    scores = torch.baddbmm(bias, q.reshape(B * H, 1, D), k.reshape(B * H, S, D).transpose(1, 2),
+                           alpha=1.0 / math.sqrt(D))  # (BH, 1, S)
+    return torch.bmm(scores.softmax(-1), v.reshape(B * H, S, D)).view(B, H, 1, D), None
 
 
 def _scores(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
@@ -222,6 +224,7 @@ class Context(NamedTuple):
     cache: LayerCache | None = None  # self-attention: this layer's cache strategy (None: attend over x itself)
     memory: LayerCache | None = None  # cross-attention: the memory's keys and values (a MemoryLayer)
     memory_mask: Tensor | None = None  # cross-attention: the memory's additive mask (Bm, 1, 1, S)
+    ragged: bool = False  # rows at different lengths, one query each (KeySpan.ragged): sdpa as ragged_rows_attention
 
 
 NO_CONTEXT = Context()
@@ -363,7 +366,8 @@ class MultiHeadAttention(nn.Module):
                 k, v = ctx.cache.update(k, v)
         if not step and _capturing():
             _record(self, q, k, mask, causal)
-        out, probs = self.backend(q, k, v, mask, causal, dropout, need_weights)
+        backend = ragged_rows_attention if ctx.ragged and self.backend is sdpa_attention else self.backend
+        out, probs = backend(q, k, v, mask, causal, dropout, need_weights)
         if fold != 1:
             out = out.view(-1, H, fold, T, D).transpose(1, 2).reshape(B, H, T, D)
         out = out.reshape(B, H * D) if step and fold == 1 else \

@@ -220,7 +220,7 @@ class RaggedView:
         if T != 1:
             raise ValueError(f"a ragged cache takes one new position per row, got {T}")
         self.keys = int(self.lengths.max()) + 1
-        return KeySpan(None, self.keys, self.lengths[:, None], None)
+        return KeySpan(None, self.keys, self.lengths[:, None], None, ragged=True)
 
     def advance(self, n: int) -> None:
         """Nothing: the caller owns ``lengths``."""

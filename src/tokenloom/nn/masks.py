@@ -22,12 +22,6 @@ def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> T
     return k <= q
 
 
-
-
-
-
-
-
 def positions_from_mask(attention_mask: Tensor) -> Tensor:
     """(B, T) 0/1 mask with left padding -> (B, T) position ids counting real tokens from 0 (pads get 0)."""
     return (attention_mask.long().cumsum(-1) - 1).clamp_(min=0)
@@ -39,19 +33,19 @@ def additive_mask(allowed: Tensor, dtype: torch.dtype) -> Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill_(~allowed, torch.finfo(dtype).min)
 
 
-
-
 class KeySpan(NamedTuple):
     """Which keys a call's T new queries see, as a cache strategy (or a whole-sequence pass) describes it.
 
     ``past`` (dense): positions already cached, the queries at ``[past, keys)`` (None: ``queries`` given);
     ``keys``: S, the keys attended; ``queries`` (B|1, T) the queries' key indices where ``past`` is None;
-    ``valid`` (B|1, S) bool, False for padding keys, or None."""
+    ``valid`` (B|1, S) bool, False for padding keys, or None; ``ragged``: rows at different lengths (one query each,
+    a server's running batch), which attention computes with the one-query kernel (:class:`~.attention.Context`)."""
 
     past: int | None
     keys: int
     queries: Tensor | None = None
     valid: Tensor | None = None
+    ragged: bool = False
 
 
 def sequence_span(length: int, valid: Tensor | None = None) -> KeySpan:
