@@ -117,30 +117,13 @@ def bench_translate(args: argparse.Namespace) -> int:
     """BLEU / chrF on a split, latency per sentence at batch 1, throughput at batch ``--batch``, speedup over AR
     beam 5; every model and decoding measured in this one run (the latencies in turns: ``LATENCY_ROUNDS`` blocks of
     sentences, each block by every decoding). Markdown and CSV (and a PNG) under --out."""
-    from ..evaluation import compute_metrics
-    from ..hardware import machine
-    from ..tasks.translation import translate
-
     for name in ("batch", "latency_sentences"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     models = [translation_model(path, args.precision) for path in args.runs]
-    sources = references = None
-    for ckpt, _, _ in models:
-        data = _data_config(read_config(ckpt))
-        if not Path(data.files(args.split)[0]).is_file():
-            raise ConfigError(f"{ckpt}: its data has no {args.split!r} split ({data.files(args.split)[0]})")
-        if sources is None:
-            from ..data.parallel import read_parallel
-
-            pairs = read_parallel(*data.files(args.split), empty_lines=data.empty_lines)
-            if args.limit is not None:
-                pairs = pairs[:args.limit]
-            sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
+    sources, references = _bench_split(models, args.split, args.limit)
     teacher, teacher_tokenizer = next(((m, t) for _, m, t in models if decoding_of(m) != "parallel"),
                                       (None, None))
-    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-    latency_set = sources[:args.latency_sentences]
     runs = []  # (checkpoint, model, tokenizer, options, label) per decoding measured
     for ckpt, model, tokenizer in models:
         shares_vocabulary = teacher is not None and tokenizer.fingerprint == teacher_tokenizer.fingerprint
@@ -149,52 +132,94 @@ def bench_translate(args: argparse.Namespace) -> int:
             if variant.get("rescore"):
                 options["rescorer"] = teacher
             runs.append((ckpt, model, tokenizer, options, _label(model, options)))
-    rows = []
+    latency_set = sources[:args.latency_sentences]
     torch.manual_seed(0)
     with torch.inference_mode():
-        for ckpt, model, tokenizer, options, label in runs:  # quality and batched throughput, one after another
-            translate(model, tokenizer, latency_set[:2], **options)  # warm-up
-            start = time.perf_counter()
-            hypotheses = [""] * len(sources)
-            for i in range(0, len(order), args.batch):
-                chunk = order[i:i + args.batch]
-                for j, h in zip(chunk, translate(model, tokenizer, [sources[k] for k in chunk], **options,
-                                                 max_tokens=1 << 30), strict=True):
-                    hypotheses[j] = h
-            batch_seconds = time.perf_counter() - start
-            scores = compute_metrics(["bleu", "chrf"], hypotheses, references).scores
-            rows.append(dict(run=str(ckpt), model=label, bleu=round(scores["bleu"], 2), chrf=round(scores["chrf"], 2),
-                             throughput=round(len(sources) / batch_seconds, 1)))
-            print(f"  {label:<38} BLEU {rows[-1]['bleu']:6.2f}  chrF {rows[-1]['chrf']:6.2f}  "
-                  f"{rows[-1]['throughput']:8.1f} sentences/s (batch {args.batch})", file=sys.stderr, flush=True)
-        # batch-1 latency in LATENCY_ROUNDS rounds: each decoding translates a block of the sentences one at a
-        # time in turn (after one untimed sentence that brings its weights back into the caches), so that drifts
-        # in the machine's speed (other load, clock) fall on all of them alike and the speedups compare like
-        # with like, while each is timed as it runs when serving: warm
-        latencies = [[] for _ in runs]
-        size = -(-len(latency_set) // LATENCY_ROUNDS)
-        for start in range(0, len(latency_set), size):
-            block = latency_set[start:start + size]
-            for n, (_, model, tokenizer, options, _) in enumerate(runs):
-                translate(model, tokenizer, block[:1], **options)
-                for sentence in block:
-                    t0 = time.perf_counter()
-                    translate(model, tokenizer, [sentence], **options)
-                    latencies[n].append(time.perf_counter() - t0)
+        rows = [_bench_quality(run, sources, references, latency_set, args.batch) for run in runs]
+        latencies = _bench_latencies(runs, latency_set)
     for row, seconds in zip(rows, latencies, strict=True):
         row["latency_ms"] = round(1000 * statistics.mean(seconds), 2)
         print(f"  {row['model']:<38} {row['latency_ms']:8.1f} ms/sentence (batch 1)", file=sys.stderr, flush=True)
     base = next((r for r in rows if r["model"] == "AR beam 5"), None)
     for r in rows:
         r["speedup_vs_ar_beam5"] = round(base["latency_ms"] / r["latency_ms"], 2) if base else None
+    _bench_report(rows, args, len(sources), len(latency_set))
+    return 0
+
+
+def _bench_split(models: list, split: str, limit: int | None) -> tuple[list[str], list[str]]:
+    """The (sources, references) of ``split`` in the first model's data (each model's data must have the split)."""
+    sources = references = None
+    for ckpt, _, _ in models:
+        data = _data_config(read_config(ckpt))
+        if not Path(data.files(split)[0]).is_file():
+            raise ConfigError(f"{ckpt}: its data has no {split!r} split ({data.files(split)[0]})")
+        if sources is None:
+            from ..data.parallel import read_parallel
+
+            pairs = read_parallel(*data.files(split), empty_lines=data.empty_lines)
+            if limit is not None:
+                pairs = pairs[:limit]
+            sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
+    return sources, references
+
+
+def _bench_quality(run: tuple, sources: list[str], references: list[str], warm: list[str], batch: int) -> dict:
+    """One decoding's BLEU, chrF and throughput over the whole split at ``batch`` sentences (shortest first)."""
+    from ..evaluation import compute_metrics
+    from ..tasks.translation import translate
+
+    ckpt, model, tokenizer, options, label = run
+    translate(model, tokenizer, warm[:2], **options)  # warm-up
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    start = time.perf_counter()
+    hypotheses = [""] * len(sources)
+    for i in range(0, len(order), batch):
+        chunk = order[i:i + batch]
+        for j, h in zip(chunk, translate(model, tokenizer, [sources[k] for k in chunk], **options,
+                                         max_tokens=1 << 30), strict=True):
+            hypotheses[j] = h
+    seconds = time.perf_counter() - start
+    scores = compute_metrics(["bleu", "chrf"], hypotheses, references).scores
+    row = dict(run=str(ckpt), model=label, bleu=round(scores["bleu"], 2), chrf=round(scores["chrf"], 2),
+               throughput=round(len(sources) / seconds, 1))
+    print(f"  {label:<38} BLEU {row['bleu']:6.2f}  chrF {row['chrf']:6.2f}  "
+          f"{row['throughput']:8.1f} sentences/s (batch {batch})", file=sys.stderr, flush=True)
+    return row
+
+
+def _bench_latencies(runs: list[tuple], latency_set: list[str]) -> list[list[float]]:
+    """Batch-1 seconds per sentence of every decoding, in ``LATENCY_ROUNDS`` rounds: each decoding translates a
+    block of the sentences one at a time in turn (after one untimed sentence that brings its weights back into the
+    caches), so that drifts in the machine's speed (other load, clock) fall on all of them alike and the speedups
+    compare like with like, while each is timed as it runs when serving: warm."""
+    from ..tasks.translation import translate
+
+    latencies: list[list[float]] = [[] for _ in runs]
+    size = -(-len(latency_set) // LATENCY_ROUNDS)
+    for start in range(0, len(latency_set), size):
+        block = latency_set[start:start + size]
+        for n, (_, model, tokenizer, options, _) in enumerate(runs):
+            translate(model, tokenizer, block[:1], **options)
+            for sentence in block:
+                t0 = time.perf_counter()
+                translate(model, tokenizer, [sentence], **options)
+                latencies[n].append(time.perf_counter() - t0)
+    return latencies
+
+
+def _bench_report(rows: list[dict], args: argparse.Namespace, sentences: int, latency_sentences: int) -> None:
+    """The table on stdout; with ``--out``, translate-bench.md, .csv and .png there."""
+    from ..hardware import machine
+
     header = ["model", "bleu", "chrf", "latency_ms", "throughput", "speedup_vs_ar_beam5", "run"]
-    titles = ["model / decoding", "BLEU", "chrF", f"ms/sentence (batch 1, {len(latency_set)} sent.)",
+    titles = ["model / decoding", "BLEU", "chrF", f"ms/sentence (batch 1, {latency_sentences} sent.)",
               f"sentences/s (batch {args.batch})", "speedup vs AR beam 5 (batch 1)", "run"]
     lines = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     lines += ["| " + " | ".join(str(r[k]) if r[k] is not None else "-" for k in header) + " |" for r in rows]
     table = "\n".join(lines)
     described, date = machine().describe(), datetime.date.today().isoformat()
-    print(f"{args.split}: {len(sources)} sentences, {args.precision}\n{described}\n\n{table}")
+    print(f"{args.split}: {sentences} sentences, {args.precision}\n{described}\n\n{table}")
     if args.out:
         out = Path(args.out)
         out.mkdir(parents=True, exist_ok=True)
@@ -205,7 +230,6 @@ def bench_translate(args: argparse.Namespace) -> int:
         writer.writerows({**r, "machine": described, "date": date} for r in rows)
         (out / "translate-bench.csv").write_text(buffer.getvalue(), encoding="utf-8")
         _scatter(rows, out / "translate-bench.png")
-    return 0
 
 
 def _scatter(rows: list[dict], path: Path) -> None:

@@ -61,7 +61,7 @@ from ..errors import GenerationError
 from ..nn.modes import enter_eval, restore_training
 from .choose import vocabulary_limit
 from .config import GenerationConfig
-from .requests import Tokenizer, check_attention_mask
+from .requests import Tokenizer, check_prompt, prompt_rows
 
 
 class BeamOutput(NamedTuple):
@@ -87,24 +87,6 @@ def _check_memory(model: nn.Module, B: int, N: int, T: int, n: int) -> None:
                           (f"hypotheses (3 x {B * N} x {n} token ids)", 3 * 8 * B * N * n)])
 
 
-def _beam_rows(input_ids: Tensor, mask: Tensor | None, N: int, n: int
-               ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
-    """The prompt (B, T) with padding replaced by a stand-in (the row's first token), the positions and the mask
-    of every beam row (BN, T + n; row b*N + k is beam k of prompt b), and each prompt's real length (B,)."""
-    B, T = input_ids.shape
-    device = input_ids.device
-    if mask is None:
-        positions = torch.arange(T + n, device=device).expand(B * N, -1).contiguous()  # (BN, T + n)
-        return input_ids, positions, None, torch.full((B,), T, device=device)
-    real_len = mask.sum(-1)  # (B,)
-    first = input_ids.gather(1, (T - real_len)[:, None])
-    prompt = torch.where(mask.bool(), input_ids, first)
-    positions = torch.cat(((mask.cumsum(-1) - 1).clamp(min=0), real_len[:, None] + torch.arange(n, device=device)),
-                          dim=1).repeat_interleave(N, dim=0)  # (BN, T + n)
-    full_mask = torch.cat((mask, mask.new_ones(B, n)), dim=1).repeat_interleave(N, dim=0)  # (BN, T + n)
-    return prompt, positions, full_mask, real_len
-
-
 def beam_search(model: nn.Module, input_ids: Tensor, config: GenerationConfig,
                 attention_mask: Tensor | None = None, tokenizer: Tokenizer | None = None) -> BeamOutput:
     """(B, T) prompt ids (left-padded, with ``attention_mask``, when of different lengths) -> the
@@ -113,92 +95,31 @@ def beam_search(model: nn.Module, input_ids: Tensor, config: GenerationConfig,
     mask = _check_request(model, input_ids, config, attention_mask)
     B, T = input_ids.shape
     N, n = config.num_beams, config.max_new_tokens
-    BN, device = B * N, input_ids.device
-    vocab = model.config.vocab_size
-    K = min(2 * N, N * vocab)
     _check_memory(model, B, N, T, n)
-    eos, pad, lp = config.eos_token_id, config.pad_token_id, float(config.length_penalty)
-
-    prompt, positions, full_mask, real_len = _beam_rows(input_ids, mask, N, n)
+    prompt, positions, full_mask, real_len = prompt_rows(input_ids, mask, n, copies=N)
     bans = _NoRepeatNGram(config.no_repeat_ngram_size, prompt, real_len, N) if config.no_repeat_ngram_size else None
-    vocab_limit = vocabulary_limit(tokenizer, vocab)
-
-    # live beams: scores (B, N), new tokens (B, N, n); finished hypotheses: the same plus lengths, raw sums.
-    # These hold the prompts still decoding (``active``: their indices in the batch); a prompt that closes
-    # is retired into ``final`` and dropped from the batch and the cache (when the cache has ``select``).
-    live_scores = torch.full((B, N), float("-inf"), device=device)
-    live_scores[:, 0] = 0.0
-    live_tokens = torch.full((B, N, n), pad, dtype=torch.long, device=device)
-    done = _Hypotheses.empty(B, N, n, pad, device)
-    final = _Hypotheses.empty(B, N, n, pad, device)
-    active = torch.arange(B, device=device)
-    closed = torch.zeros(B, dtype=torch.bool, device=device)  # prompts that take no more hypotheses
-    in_top_n = torch.arange(K, device=device) < N  # (K,) only the best N candidates may finish
-    any_full = False  # some prompt holds N finished hypotheses
-
+    vocab_limit = vocabulary_limit(tokenizer, model.config.vocab_size)
+    search = _Search(B, N, n, model.config.vocab_size, config, input_ids.device)
     switched = enter_eval(model)
     try:
         with torch.inference_mode():
-            cache = model.create_cache(BN, T + n)
+            cache = model.create_cache(B * N, T + n)
             can_drop = callable(getattr(cache, "select", None))
             tokens = prompt.repeat_interleave(N, dim=0)  # (BN, T), then (BN, 1) per step
             step_pos = positions[:, :T]
             step_mask = full_mask[:, :T] if full_mask is not None else None
             for t in range(n):
-                Ba = live_scores.shape[0]  # prompts still decoding
                 logits = model(tokens, positions=step_pos, attention_mask=step_mask, cache=cache)[:, -1]  # (Ba*N, V)
                 logp = F.log_softmax(logits.float(), dim=-1)
                 if bans is not None:
-                    logp.masked_fill_(bans(live_tokens[:, :, :t], logp.shape[-1]), float("-inf"))
+                    logp.masked_fill_(bans(search.live_tokens[:, :, :t], logp.shape[-1]), float("-inf"))
                 if vocab_limit is not None:
                     logp[:, vocab_limit:] = float("-inf")
-                V = logp.shape[-1]
-                candidates = (live_scores.reshape(Ba * N, 1) + logp).view(Ba, N * V)
-                top_sums, top_index = candidates.topk(K, dim=1)  # (Ba, K), best first
-                parent, token = top_index // V, top_index % V  # (Ba, K) beam of the prompt, next token
-                last = t == n - 1  # max_new_tokens: every candidate finishes
-                ends = token == eos if eos is not None else None  # (Ba, K) candidates that end in EOS
-                finishing = last or (ends is not None and bool(ends[:, :N].any()))  # among the best N
-
-                if finishing:  # merge the new finished hypotheses into each prompt's N best
-                    cand_tokens = live_tokens.gather(1, parent[:, :, None].expand(-1, -1, n))  # (Ba, K, n)
-                    cand_tokens[:, :, t] = token
-                    new = in_top_n & ~closed[:, None] & (top_sums > float("-inf"))
-                    if not last:
-                        new &= ends
-                    new_scores = (top_sums / ((t + 1) ** lp)).masked_fill(~new, float("-inf"))
-                    done = done.merge(new_scores, top_sums, t + 1, cand_tokens)
-                    if last:
-                        break
-                    any_full = bool((done.scores[:, -1] > float("-inf")).any())  # sorted: the last is the worst
-
-                    # live beams: the N best candidates that did not end
-                    open_sums = top_sums.masked_fill(ends, float("-inf"))
-                    chosen = open_sums.topk(N, dim=1).indices  # (Ba, N)
-                    live_scores = open_sums.gather(1, chosen)
-                    live_tokens = cand_tokens.gather(1, chosen[:, :, None].expand(-1, -1, n))
-                    beams = parent.gather(1, chosen)  # (Ba, N)
-                else:  # none of the best N ended: they are the live beams
-                    live_scores, beams = top_sums[:, :N], parent[:, :N]
-                    live_tokens = live_tokens.gather(1, beams[:, :, None].expand(-1, -1, n))
-                    live_tokens[:, :, t] = token[:, :N]
-
-                if any_full:  # close the prompts whose N finished hypotheses the live beams cannot beat
-                    full = done.scores[:, -1] > float("-inf")
-                    if config.early_stopping is True:
-                        closed |= full
-                    else:
-                        length = n if config.early_stopping == "never" and lp > 0 else t + 1
-                        closed |= full & (live_scores[:, 0] / (length ** lp) <= done.scores[:, -1])
-                    if bool(closed.all()):
-                        break
-                rows = beams + torch.arange(Ba, device=device)[:, None] * N  # (Ba, N) cache row of each new beam
-                if can_drop and bool(closed.any()):  # retire the closed prompts, keep decoding the others
-                    final.store(active[closed], done.take(closed))
-                    keep = (~closed).nonzero().view(-1)
-                    kept_rows = (keep[:, None] * N + torch.arange(N, device=device)).view(-1)
-                    active, closed, done = active[keep], closed[keep], done.take(keep)
-                    live_scores, live_tokens = live_scores[keep], live_tokens[keep]
+                rows = search.step(t, logp)  # (Ba, N) cache row of each new beam
+                if rows is None:
+                    break
+                if can_drop and bool(search.closed.any()):  # retire the closed prompts, keep decoding the others
+                    keep, kept_rows = search.retire()
                     positions = positions[kept_rows]
                     full_mask = full_mask[kept_rows] if full_mask is not None else None
                     if bans is not None:
@@ -206,24 +127,104 @@ def beam_search(model: nn.Module, input_ids: Tensor, config: GenerationConfig,
                     cache.select(rows[keep].view(-1))
                 else:
                     cache.reorder(rows.view(-1))
-                tokens = live_tokens[:, :, t].reshape(-1, 1)
+                tokens = search.live_tokens[:, :, t].reshape(-1, 1)
                 step_pos = positions[:, T + t:T + t + 1]
                 if full_mask is not None:
                     step_mask = full_mask[:, :T + t + 1]
     finally:
         restore_training(switched)
+    return search.output(input_ids, config.num_return_sequences)
 
-    final.store(active, done)
-    empty = final.scores == float("-inf")  # slots no hypothesis reached (degenerate cases only)
-    done_sums = final.sums.masked_fill(empty, float("-inf"))
-    done_lengths = final.lengths.masked_fill(empty, 0)
-    done_tokens = final.tokens.masked_fill(empty[:, :, None], pad)
-    R = config.num_return_sequences
-    lengths = done_lengths[:, :R]
-    L = int(lengths.max())
-    sequences = torch.cat((input_ids[:, None].expand(B, R, T), done_tokens[:, :R, :L]), dim=2)
-    return BeamOutput(sequences=sequences, scores=final.scores[:, :R].clone(),  # clone: not an inference tensor
-                      log_probs=done_sums[:, :R], lengths=lengths)
+
+class _Search:
+    """The state of one beam search over B prompts (the rules: the module docstring). Live beams: scores (Ba, N),
+    new tokens (Ba, N, n), of the Ba prompts still decoding (``active``: their indices in the batch); finished
+    hypotheses ``done`` (Ba, N); a prompt that closes is retired into ``final`` (B, N) and dropped from the batch
+    (:meth:`retire`, when the cache has ``select``)."""
+
+    def __init__(self, B: int, N: int, n: int, vocab: int, config: GenerationConfig, device: torch.device) -> None:
+        self.N, self.n, self.K = N, n, min(2 * N, N * vocab)
+        self.eos, self.pad, self.lp = config.eos_token_id, config.pad_token_id, float(config.length_penalty)
+        self.early_stopping = config.early_stopping
+        self.live_scores = torch.full((B, N), float("-inf"), device=device)
+        self.live_scores[:, 0] = 0.0
+        self.live_tokens = torch.full((B, N, n), self.pad, dtype=torch.long, device=device)
+        self.done = _Hypotheses.empty(B, N, n, self.pad, device)
+        self.final = _Hypotheses.empty(B, N, n, self.pad, device)
+        self.active = torch.arange(B, device=device)
+        self.closed = torch.zeros(B, dtype=torch.bool, device=device)  # prompts that take no more hypotheses
+        self.in_top_n = torch.arange(self.K, device=device) < N  # (K,) only the best N candidates may finish
+        self.any_full = False  # some prompt holds N finished hypotheses
+
+    def step(self, t: int, logp: Tensor) -> Tensor | None:
+        """Extend the live beams by step ``t``'s log-probabilities (Ba*N, V): the (Ba, N) cache row of each new
+        live beam, or None when the search is over (the last step, or every prompt closed)."""
+        N, n, eos = self.N, self.n, self.eos
+        Ba, V = self.live_scores.shape[0], logp.shape[-1]
+        candidates = (self.live_scores.reshape(Ba * N, 1) + logp).view(Ba, N * V)
+        top_sums, top_index = candidates.topk(self.K, dim=1)  # (Ba, K), best first
+        parent, token = top_index // V, top_index % V  # (Ba, K) beam of the prompt, next token
+        last = t == n - 1  # max_new_tokens: every candidate finishes
+        ends = token == eos if eos is not None else None  # (Ba, K) candidates that end in EOS
+        if last or (ends is not None and bool(ends[:, :N].any())):  # finishing among the best N: merge them
+            cand_tokens = self.live_tokens.gather(1, parent[:, :, None].expand(-1, -1, n))  # (Ba, K, n)
+            cand_tokens[:, :, t] = token
+            new = self.in_top_n & ~self.closed[:, None] & (top_sums > float("-inf"))
+            if not last:
+                new &= ends
+            new_scores = (top_sums / ((t + 1) ** self.lp)).masked_fill(~new, float("-inf"))
+            self.done = self.done.merge(new_scores, top_sums, t + 1, cand_tokens)
+            if last:
+                return None
+            self.any_full = bool((self.done.scores[:, -1] > float("-inf")).any())  # sorted: the last is the worst
+            open_sums = top_sums.masked_fill(ends, float("-inf"))  # live beams: the N best that did not end
+            chosen = open_sums.topk(N, dim=1).indices  # (Ba, N)
+            self.live_scores = open_sums.gather(1, chosen)
+            self.live_tokens = cand_tokens.gather(1, chosen[:, :, None].expand(-1, -1, n))
+            beams = parent.gather(1, chosen)  # (Ba, N)
+        else:  # none of the best N ended: they are the live beams
+            self.live_scores, beams = top_sums[:, :N], parent[:, :N]
+            self.live_tokens = self.live_tokens.gather(1, beams[:, :, None].expand(-1, -1, n))
+            self.live_tokens[:, :, t] = token[:, :N]
+        if self.any_full and self._close(t):
+            return None
+        return beams + torch.arange(Ba, device=beams.device)[:, None] * N
+
+    def _close(self, t: int) -> bool:
+        """Close the prompts whose N finished hypotheses the live beams cannot beat; whether all are closed."""
+        full = self.done.scores[:, -1] > float("-inf")
+        if self.early_stopping is True:
+            self.closed |= full
+        else:
+            length = self.n if self.early_stopping == "never" and self.lp > 0 else t + 1
+            self.closed |= full & (self.live_scores[:, 0] / (length ** self.lp) <= self.done.scores[:, -1])
+        return bool(self.closed.all())
+
+    def retire(self) -> tuple[Tensor, Tensor]:
+        """Move the closed prompts' hypotheses into ``final`` and keep decoding the others: (the kept prompts'
+        indices among the live ones, their beams' rows)."""
+        N = self.N
+        self.final.store(self.active[self.closed], self.done.take(self.closed))
+        keep = (~self.closed).nonzero().view(-1)
+        kept_rows = (keep[:, None] * N + torch.arange(N, device=keep.device)).view(-1)
+        self.active, self.closed, self.done = self.active[keep], self.closed[keep], self.done.take(keep)
+        self.live_scores, self.live_tokens = self.live_scores[keep], self.live_tokens[keep]
+        return keep, kept_rows
+
+    def output(self, input_ids: Tensor, R: int) -> BeamOutput:
+        """The R best hypotheses of every prompt after the prompt ``input_ids`` (B, T) as given."""
+        final = self.final
+        final.store(self.active, self.done)
+        empty = final.scores == float("-inf")  # slots no hypothesis reached (degenerate cases only)
+        done_sums = final.sums.masked_fill(empty, float("-inf"))
+        done_lengths = final.lengths.masked_fill(empty, 0)
+        done_tokens = final.tokens.masked_fill(empty[:, :, None], self.pad)
+        B, T = input_ids.shape
+        lengths = done_lengths[:, :R]
+        L = int(lengths.max())
+        sequences = torch.cat((input_ids[:, None].expand(B, R, T), done_tokens[:, :R, :L]), dim=2)
+        return BeamOutput(sequences=sequences, scores=final.scores[:, :R].clone(),  # clone: not an inference tensor
+                          log_probs=done_sums[:, :R], lengths=lengths)
 
 
 class _Hypotheses(NamedTuple):
@@ -310,23 +311,4 @@ def _check_request(model: nn.Module, input_ids: Tensor, config: GenerationConfig
     if not 1 <= config.num_return_sequences <= config.num_beams:
         raise GenerationError(f"num_return_sequences={config.num_return_sequences} must be in [1, "
                               f"num_beams={config.num_beams}]")
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-        raise GenerationError(f"input_ids must be a (batch, length) integer tensor, got "
-                              f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
-    B, T = input_ids.shape
-    if B == 0 or T == 0:
-        raise GenerationError(f"empty prompt: input_ids has shape {tuple(input_ids.shape)}; give at least "
-                              "one token per row")
-    mask = check_attention_mask(input_ids, attention_mask)
-    vocab, context = model.config.vocab_size, model.config.max_seq_len
-    real = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-    bad = input_ids[real & ((input_ids < 0) | (input_ids >= vocab))].unique()
-    if bad.numel():
-        shown = ", ".join(str(i) for i in bad[:10].tolist()) + (", ..." if bad.numel() > 10 else "")
-        raise GenerationError(f"prompt holds token ids outside the vocabulary [0, {vocab}): {shown}")
-    n = config.max_new_tokens
-    if T + n > context:
-        raise GenerationError(f"prompt of {T} tokens + max_new_tokens={n} = {T + n} positions exceeds the "
-                              f"model's context of {context} (no sliding window: shorten the prompt or "
-                              "lower max_new_tokens)")
-    return mask
+    return check_prompt(model, input_ids, attention_mask, config.max_new_tokens)

@@ -38,7 +38,7 @@ from .choose import choose_next, limit_vocabulary, vocabulary_limit
 from .compiled import StaticDecodeStep, StaticKVCache, static_cache_length, why_not_compiled
 from .config import GenerationConfig
 from .processors import create_processors
-from .requests import Tokenizer, check_attention_mask
+from .requests import Tokenizer, check_prompt, prompt_rows
 
 
 def generate(model: nn.Module, input_ids: Tensor, config: GenerationConfig | None = None,
@@ -78,57 +78,28 @@ class _Decoding:
         if config.no_repeat_ngram_size:
             raise GenerationError(f"no_repeat_ngram_size={config.no_repeat_ngram_size} applies to beam search only "
                                   "(num_beams > 1, or beam_search() with num_beams=1)")
-        if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
-            raise GenerationError(f"input_ids must be a (batch, length) integer tensor, got "
-                                  f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
-        B, T = input_ids.shape
-        n = config.max_new_tokens
-        if B == 0 or T == 0:
-            raise GenerationError(f"empty prompt: input_ids has shape {tuple(input_ids.shape)}; give at least "
-                                  "one token per row")
         if config.stop_strings and tokenizer is None:
             raise GenerationError("stop_strings need a tokenizer (an object with .decode(ids) -> str) to "
                                   "read the generated text")
-        mask = check_attention_mask(input_ids, attention_mask)
-        model_config = getattr(model, "config", None)
-        real = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-        vocab = getattr(model_config, "vocab_size", None)
-        if vocab is not None:
-            bad = input_ids[real & ((input_ids < 0) | (input_ids >= vocab))].unique()
-            if bad.numel():
-                shown = ", ".join(str(i) for i in bad[:10].tolist()) + (", ..." if bad.numel() > 10 else "")
-                raise GenerationError(f"prompt holds token ids outside the vocabulary [0, {vocab}): {shown}")
-        context = getattr(model_config, "max_seq_len", None)
-        if context is not None and T + n > context:
-            raise GenerationError(f"prompt of {T} tokens + max_new_tokens={n} = {T + n} positions exceeds the "
-                                  f"model's context of {context} (no sliding window: shorten the prompt or "
-                                  "lower max_new_tokens)")
-
-        device = input_ids.device
+        n = config.max_new_tokens
+        mask = check_prompt(model, input_ids, attention_mask, n)
+        B, T = input_ids.shape
+        prompt, positions, full_mask, _ = prompt_rows(input_ids, mask, n)
         self.prompt_len, self.padded = T, mask is not None
-        self.sequences = torch.empty(B, T + n, dtype=torch.long, device=device)  # (B, T + n) output buffer
-        if mask is None:
-            self.sequences[:, :T] = input_ids
-            positions = torch.arange(T + n, device=device).expand(B, -1).contiguous()  # (B, T + n)
-        else:
-            # padding positions take the row's first token: valid for the embedding and, already being
-            # in the row, neutral for the repetition penalty
-            lengths = mask.sum(-1, keepdim=True)  # (B, 1) real tokens per row
-            first = input_ids.gather(1, T - lengths)  # (B, 1)
-            self.sequences[:, :T] = torch.where(real, input_ids, first)
-            positions = torch.cat(((mask.cumsum(-1) - 1).clamp(min=0),
-                                   lengths + torch.arange(n, device=device)), dim=1)  # (B, T + n)
-            self.mask = torch.cat((mask, mask.new_ones(B, n)), dim=1)  # (B, T + n)
+        self.sequences = torch.empty(B, T + n, dtype=torch.long, device=input_ids.device)  # (B, T + n) output
+        self.sequences[:, :T] = prompt
+        if full_mask is not None:
+            self.mask = full_mask  # (B, T + n)
         self.positions = positions
         # per-step views of the output, made once
         self.columns = self.sequences[:, T:].split(1, dim=1)  # n x (B, 1)
         self.yielded = self.sequences[:, T:].unbind(1)  # n x (B,)
         self.processors = create_processors(config)
         # a model whose vocabulary is padded past its tokenizer's (common in imports) never emits those ids
-        self.vocab_limit = vocabulary_limit(tokenizer, vocab)
+        self.vocab_limit = vocabulary_limit(tokenizer, getattr(getattr(model, "config", None), "vocab_size", None))
         self.generator = None
         if not config.greedy and config.seed is not None:
-            self.generator = torch.Generator(device=device).manual_seed(config.seed)
+            self.generator = torch.Generator(device=input_ids.device).manual_seed(config.seed)
 
     def __iter__(self) -> Iterator[Tensor]:
         model, config, sequences = self.model, self.config, self.sequences

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from torch import Tensor
+import torch
+from torch import Tensor, nn
 
 from ..errors import GenerationError
 
@@ -32,3 +33,56 @@ def check_attention_mask(input_ids: Tensor, attention_mask: Tensor | None) -> Te
     if empty:
         raise GenerationError(f"empty prompt: row(s) {empty} of attention_mask are all padding")
     return mask
+
+
+def check_prompt(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None,
+                 max_new_tokens: int) -> Tensor | None:
+    """The request checks every decoding shares (generate, stream, beam search): ``input_ids`` a non-empty (B, T)
+    integer tensor, the mask (:func:`check_attention_mask`), every real token id inside the model's vocabulary
+    and T + ``max_new_tokens`` within its context (where its ``config`` gives them). Returns the (B, T) mask or
+    None (no padding)."""
+    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2 or input_ids.is_floating_point():
+        raise GenerationError(f"input_ids must be a (batch, length) integer tensor, got "
+                              f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    B, T = input_ids.shape
+    if B == 0 or T == 0:
+        raise GenerationError(f"empty prompt: input_ids has shape {tuple(input_ids.shape)}; give at least "
+                              "one token per row")
+    mask = check_attention_mask(input_ids, attention_mask)
+    model_config = getattr(model, "config", None)
+    vocab = getattr(model_config, "vocab_size", None)
+    if vocab is not None:
+        real = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+        bad = input_ids[real & ((input_ids < 0) | (input_ids >= vocab))].unique()
+        if bad.numel():
+            shown = ", ".join(str(i) for i in bad[:10].tolist()) + (", ..." if bad.numel() > 10 else "")
+            raise GenerationError(f"prompt holds token ids outside the vocabulary [0, {vocab}): {shown}")
+    context = getattr(model_config, "max_seq_len", None)
+    if context is not None and T + max_new_tokens > context:
+        raise GenerationError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} = {T + max_new_tokens} "
+                              f"positions exceeds the model's context of {context} (no sliding window: shorten "
+                              "the prompt or lower max_new_tokens)")
+    return mask
+
+
+def prompt_rows(input_ids: Tensor, mask: Tensor | None, n: int, copies: int = 1
+                ) -> tuple[Tensor, Tensor, Tensor | None, Tensor]:
+    """What decoding feeds the model for (B, T) prompts and ``n`` new tokens: the prompt with its padding replaced
+    by a stand-in (the row's first token: valid for the embedding and, already in the row, neutral for the
+    repetition penalty), the positions and the mask (None: no padding) of every row over T + n (each prompt's
+    row repeated ``copies`` times: row b*copies + k is copy k of prompt b, a beam), and each prompt's real
+    length (B,)."""
+    B, T = input_ids.shape
+    device = input_ids.device
+    if mask is None:
+        positions = torch.arange(T + n, device=device).expand(B * copies, -1).contiguous()  # (B*copies, T + n)
+        return input_ids, positions, None, torch.full((B,), T, device=device)
+    real_len = mask.sum(-1)  # (B,)
+    first = input_ids.gather(1, (T - real_len)[:, None])
+    prompt = torch.where(mask.bool(), input_ids, first)
+    positions = torch.cat(((mask.cumsum(-1) - 1).clamp(min=0), real_len[:, None] + torch.arange(n, device=device)),
+                          dim=1)  # (B, T + n)
+    full_mask = torch.cat((mask, mask.new_ones(B, n)), dim=1)  # (B, T + n)
+    if copies != 1:
+        positions, full_mask = positions.repeat_interleave(copies, dim=0), full_mask.repeat_interleave(copies, dim=0)
+    return prompt, positions, full_mask, real_len
