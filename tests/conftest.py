@@ -10,6 +10,7 @@ import torch
 # measurement: the tests pin fp32 (their references are fp32) and test auto itself with mocked answers
 # (tests/test_hardware.py). Measurements go to a cache of this test session, not the user's.
 os.environ["TOKENLOOM_PRECISION"] = "fp32"
+os.environ.setdefault("TOKENLOOM_DEVICE", "cpu")  # the commands' --device (tests/devices/test_gpu.py: cuda)
 os.environ["TOKENLOOM_CACHE_DIR"] = tempfile.mkdtemp(prefix="tokenloom-test-cache-")
 atexit.register(shutil.rmtree, os.environ["TOKENLOOM_CACHE_DIR"], ignore_errors=True)
 # Inductor's on-disk cache does not key on ATEN_CPU_CAPABILITY (torch 2.13): kernels another process compiled under

@@ -89,8 +89,8 @@ def test_explicit_precisions_on_native_hardware_are_kept_silently():
 
 
 def test_a_bad_precision_is_a_one_line_config_error():
-    with pytest.raises(ConfigError, match="precision must be one of auto, fp32, bf16, bf16-autocast, got 'fp16'"):
-        choose_precision("fp16")
+    with pytest.raises(ConfigError, match="precision must be one of auto, fp32, bf16, bf16-autocast, fp16, got 'fp8'"):
+        choose_precision("fp8")
     with pytest.raises(ConfigError, match=r"\$TOKENLOOM_PRECISION\), got 'half'"):
         choose_inference_precision("half", never)
 

@@ -38,8 +38,8 @@ import torch
 
 from .errors import ConfigError
 
-PRECISION_CHOICES = ("auto", "fp32", "bf16", "bf16-autocast")  # train.precision
-INFERENCE_PRECISIONS = ("auto", "fp32", "bf16")  # --precision of the commands that run a model
+PRECISION_CHOICES = ("auto", "fp32", "bf16", "bf16-autocast", "fp16")  # train.precision
+INFERENCE_PRECISIONS = ("auto", "fp32", "bf16", "fp16")  # --precision of the commands that run a model
 
 # oneDNN's CPU ISA names (ONEDNN_MAX_CPU_ISA), lowest first; from AVX512_CORE_BF16 on, bf16 dot products are native
 _ONEDNN_ISAS = ("SSE41", "AVX", "AVX2", "AVX2_VNNI", "AVX2_VNNI_2", "AVX512_CORE", "AVX512_CORE_VNNI",
@@ -228,13 +228,47 @@ def warn_emulated_bf16(requested: str, support: Bf16Support, measure: Callable[[
                   stacklevel=3)
 
 
-def choose_precision(requested: str, support: Callable[[], Bf16Support] | None = None) -> PrecisionChoice:
-    """The training precision for ``requested``: ``auto`` -> bf16 (bf16 weights with float32 masters) where bf16 is
-    native, else fp32; an explicit bf16 / bf16-autocast is kept, with a one-time warning where it is emulated."""
+def cuda_bf16_supported(device: torch.device) -> bool:
+    """Whether the CUDA GPU ``device`` computes in bfloat16 natively (compute capability 8.0, Ampere, and later)."""
+    return torch.cuda.get_device_capability(device)[0] >= 8
+
+
+def _device_type(device: torch.device | str | None) -> str:
+    return torch.device(device if device is not None else "cpu").type
+
+
+def _refuse_fp16(requested: str, device_type: str) -> None:
+    if requested == "fp16" and device_type != "cuda":
+        raise ConfigError(f"precision fp16 needs a CUDA GPU (the device is {device_type}); use auto, fp32 or bf16")
+
+
+def choose_precision(requested: str, support: Callable[[], Bf16Support] | None = None,
+                     device: torch.device | str | None = "cpu",
+                     gpu_bf16: Callable[[], bool] | None = None) -> PrecisionChoice:
+    """The training precision for ``requested`` on ``device``.
+
+    CPU: ``auto`` -> bf16 (bf16 weights with float32 masters) where bf16 is native, else fp32; an explicit bf16 /
+    bf16-autocast is kept, with a one-time warning where it is emulated. CUDA: ``auto`` -> bf16-autocast (float32
+    weights, bf16 matmuls: what the GPU's tensor cores want) where the GPU has bf16 (``gpu_bf16()``, default
+    :func:`cuda_bf16_supported`: Ampere and later), else fp16 (float16 autocast with a gradient scaler). MPS:
+    ``auto`` -> fp32. fp16 needs CUDA."""
     if requested not in PRECISION_CHOICES:
         raise ConfigError(f"precision must be one of {', '.join(PRECISION_CHOICES)}, got {requested!r}")
+    kind = _device_type(device)
+    _refuse_fp16(requested, kind)
     if requested == "fp32":
         return PrecisionChoice("fp32", requested, "")
+    if kind == "cuda":
+        if requested != "auto":
+            return PrecisionChoice(requested, requested, "")
+        if (gpu_bf16 or (lambda: cuda_bf16_supported(torch.device(device))))():
+            return PrecisionChoice("bf16-autocast", requested, "the GPU computes in bf16 (compute capability >= 8)")
+        return PrecisionChoice("fp16", requested, "the GPU has no bf16 (compute capability < 8): float16 with a "
+                                                  "gradient scaler")
+    if kind == "mps":
+        if requested == "auto":
+            return PrecisionChoice("fp32", requested, "Apple MPS: float32 (bf16 support varies by macOS version)")
+        return PrecisionChoice(requested, requested, "")
     found = (support or bf16_support)()
     if requested == "auto":
         return PrecisionChoice("bf16" if found.native else "fp32", requested, found.reason)
@@ -282,16 +316,30 @@ def remembered(name: str, measure: Callable[[], float]) -> tuple[float, bool]:
 
 def choose_inference_precision(requested: str, decode_speedup: Callable[[], float],
                                support: Callable[[], Bf16Support] | None = None,
-                               threshold: float = 1.25) -> PrecisionChoice:
-    """The weights' precision for running a model: ``auto`` -> fp32 where bf16 is emulated; where it is native,
-    bf16 if ``decode_speedup()`` (bf16 over float32 time of the model's decode-step kernels, measured now) is at
-    least ``threshold``, else fp32 (bf16 weights change the results slightly; they must buy real speed). Callers
-    pass a :func:`remembered` measurement so the choice is stable between runs."""
+                               threshold: float = 1.25, device: torch.device | str | None = "cpu",
+                               gpu_bf16: Callable[[], bool] | None = None) -> PrecisionChoice:
+    """The weights' precision for running a model on ``device``. CPU: ``auto`` -> fp32 where bf16 is emulated;
+    where it is native, bf16 if ``decode_speedup()`` (bf16 over float32 time of the model's decode-step kernels,
+    measured now) is at least ``threshold``, else fp32 (bf16 weights change the results slightly; they must buy
+    real speed). Callers pass a :func:`remembered` measurement so the choice is stable between runs. CUDA:
+    ``auto`` -> bf16 where the GPU has it, else fp16. MPS: ``auto`` -> fp32. fp16 needs CUDA."""
     if requested not in INFERENCE_PRECISIONS:
         raise ConfigError(f"precision must be one of {', '.join(INFERENCE_PRECISIONS)} (--precision or "
                           f"$TOKENLOOM_PRECISION), got {requested!r}")
+    kind = _device_type(device)
+    _refuse_fp16(requested, kind)
     if requested == "fp32":
         return PrecisionChoice("fp32", requested, "")
+    if kind == "cuda":
+        if requested != "auto":
+            return PrecisionChoice(requested, requested, "")
+        if (gpu_bf16 or (lambda: cuda_bf16_supported(torch.device(device))))():
+            return PrecisionChoice("bf16", requested, "the GPU computes in bf16 (compute capability >= 8)")
+        return PrecisionChoice("fp16", requested, "the GPU has no bf16 (compute capability < 8)")
+    if kind == "mps":
+        if requested == "auto":
+            return PrecisionChoice("fp32", requested, "Apple MPS: float32")
+        return PrecisionChoice(requested, requested, "")
     found = (support or bf16_support)()
     if requested == "bf16":
         if not found.native:

@@ -122,38 +122,40 @@ def build(family: str, preset: dict, seed: int = 0, **extra: Any) -> nn.Module:
 B = 3
 
 
-def source_batch(config: Any, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    """(B, S) right-padded sources (ids >= 3: no pad/BOS/EOS) and their 0/1 mask; row 1 is padded."""
+def source_batch(config: Any, gen: torch.Generator, device: torch.device | None = None) -> tuple[Tensor, Tensor]:
+    """(B, S) right-padded sources (ids >= 3: no pad/BOS/EOS) and their 0/1 mask; row 1 is padded; on ``device``."""
     S = min(7, config.max_source_len)
     src = torch.randint(3, config.vocab_size, (B, S), generator=gen)
     mask = torch.ones_like(src)
     src[1, S - 2:], mask[1, S - 2:] = config.pad_id, 0
-    return src, mask
+    return (src, mask) if device is None else (src.to(device), mask.to(device))
 
 
-def outputs(family: str, model: nn.Module, seed: int = 1) -> list[Tensor]:
-    """The tensors a model's training loss reads, for inputs of its family, each checked for shape here."""
+def outputs(family: str, model: nn.Module, seed: int = 1, device: torch.device | None = None) -> list[Tensor]:
+    """The tensors a model's training loss reads, for inputs of its family (made on the CPU, then moved to
+    ``device`` when given), each checked for shape here."""
     c = model.config
     gen = torch.Generator().manual_seed(seed)
     kind = decoding_of(model)
+    put = (lambda t: t) if device is None else (lambda t: t.to(device))
     if kind == "causal_lm":
-        ids = torch.randint(0, c.vocab_size, (B, 12), generator=gen)
+        ids = put(torch.randint(0, c.vocab_size, (B, 12), generator=gen))
         logits = model(ids)
         assert logits.shape == (B, 12, c.vocab_size)
         return [logits]
     if kind == "encoder_decoder":
-        src, mask = source_batch(c, gen)
+        src, mask = source_batch(c, gen, device)
         tgt = torch.randint(3, c.vocab_size, (B, 6), generator=gen)
         tgt[:, 0] = c.bos_id
-        logits = model(src, tgt, mask)
+        logits = model(src, put(tgt), mask)
         assert logits.shape == (B, 6, c.vocab_size)
         return [logits]
     if kind == "parallel":
-        src, mask = source_batch(c, gen)
+        src, mask = source_batch(c, gen, device)
         lengths = torch.tensor([5, 3, 6])
         tokens = torch.randint(3, c.vocab_size - 2, (B, 6), generator=gen)
         tokens[:, ::2] = c.mask_id
-        logits, target_mask, memory = model(src, mask, lengths, tokens)
+        logits, target_mask, memory = model(src, mask, put(lengths), put(tokens))
         assert logits.shape == (*target_mask.shape, c.vocab_size) and logits.shape[0] == B
         assert memory.shape == (B, src.shape[1], c.embed_dim)
         out = [logits]
@@ -164,7 +166,7 @@ def outputs(family: str, model: nn.Module, seed: int = 1) -> list[Tensor]:
         return out
     if kind is None and hasattr(c, "image_size"):  # image classifiers
         size = c.image_size if isinstance(c.image_size, tuple) else (c.image_size, c.image_size)
-        images = torch.randn(2, c.in_channels, *size, generator=gen)
+        images = put(torch.randn(2, c.in_channels, *size, generator=gen))
         logits = model(images)
         assert logits.shape == (2, c.num_classes)
         return [logits]

@@ -37,6 +37,7 @@ import torch
 from torch import Tensor
 
 from tokenloom.benchmarks import report_load_and_save
+from tokenloom.devices import DEVICE_HELP, choose_device, default_device, peak_memory, synchronize
 from tokenloom.hardware import machine
 from tokenloom.interop import to_hf
 from tokenloom.models.gpt import GPT, GPTConfig
@@ -90,29 +91,34 @@ def hf_generate(hf: torch.nn.Module, ids: Tensor, n: int) -> Tensor:
                        min_new_tokens=n, pad_token_id=0)
 
 
-def timed(fns: list[Callable[[], Tensor]], repeats: int) -> list[tuple[float, Tensor]]:
+def timed(fns: list[Callable[[], Tensor]], repeats: int, device: torch.device | str = "cpu"
+          ) -> list[tuple[float, Tensor]]:
     """Best wall time and output of each function; the functions take turns, so a burst of load
-    from another process hits them alike."""
+    from another process hits them alike. On an accelerator the clock is read after synchronising."""
     best: list[tuple[float, Tensor]] = [(float("inf"), torch.empty(0))] * len(fns)
     for _ in range(repeats):
         for k, fn in enumerate(fns):
+            synchronize(device)
             start = time.perf_counter()
             out = fn()
+            synchronize(device)
             best[k] = min(best[k], (time.perf_counter() - start, out), key=lambda pair: pair[0])
     return best
 
 
-def measure_bandwidth(gib: float = 1.0, repeats: int = 10) -> float:
-    """Read bandwidth in bytes/s: best of ``repeats`` ``x.sum()`` over ``gib`` GiB of fp32."""
-    x = torch.ones(int(gib * 2**30) // 4)
+def measure_bandwidth(gib: float = 1.0, repeats: int = 10, device: torch.device | str = "cpu") -> float:
+    """Read bandwidth in bytes/s: best of ``repeats`` ``x.sum()`` over ``gib`` GiB of fp32 on ``device``."""
+    x = torch.ones(int(gib * 2**30) // 4, device=device)
     x.sum()
-    best = min(_seconds(x.sum) for _ in range(repeats))
+    best = min(_seconds(x.sum, x.device) for _ in range(repeats))
     return x.numel() * 4 / best
 
 
-def _seconds(fn: Callable[[], object]) -> float:
+def _seconds(fn: Callable[[], object], device: torch.device) -> float:
+    synchronize(device)
     start = time.perf_counter()
     fn()
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -127,7 +133,7 @@ def teacher_forced_agreement(ref: GPT, other: GPT, sequence: Tensor, bf16_autoca
     """Fraction of generated positions where ``other``'s argmax equals ``ref``'s (fp32) argmax."""
     inputs = sequence[:, :-1]
     want = ref(inputs)[:, PROMPT_LEN - 1:].argmax(-1)  # predictions of the generated tokens
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if bf16_autocast else contextlib.nullcontext()
+    ctx = torch.autocast(inputs.device.type, dtype=torch.bfloat16) if bf16_autocast else contextlib.nullcontext()
     with ctx:
         got = other(inputs)[:, PROMPT_LEN - 1:].argmax(-1)
     return (got == want).float().mean().item()
@@ -138,15 +144,20 @@ def bench_batch(model: GPT, hf: torch.nn.Module, shape: str, batch: int, gen_fn:
     """fp32 tokenloom vs HF at one batch size: a result row and tokenloom's (B, T + n) output."""
     n = args.new_tokens
     gen = torch.Generator().manual_seed(batch)
-    ids = torch.randint(0, model.config.vocab_size, (batch, PROMPT_LEN), generator=gen)
+    device = next(model.parameters()).device
+    ids = torch.randint(0, model.config.vocab_size, (batch, PROMPT_LEN), generator=gen).to(device)
     with torch.no_grad():
         gen_fn(model, ids, n), hf_generate(hf, ids, n)  # warm-up: every shape once (oneDNN caches kernels)
+        peak_memory(device, reset=True)
         (t_ours, ours), (t_hf, theirs) = timed([lambda: gen_fn(model, ids, n), lambda: hf_generate(hf, ids, n)],
-                                               args.repeats)
+                                               args.repeats, device)
     assert ours.shape == theirs.shape == (batch, PROMPT_LEN + n), (ours.shape, theirs.shape)
     agree = (ours[:, PROMPT_LEN:] == theirs[:, PROMPT_LEN:]).float().mean().item()
     row = dict(shape=shape, batch_size=batch, new_tokens=n, tokenloom_ms_per_token=1000 * t_ours / n,
-               hf_ms_per_token=1000 * t_hf / n, hf_over_tokenloom=t_hf / t_ours, token_agreement=agree)
+               hf_ms_per_token=1000 * t_hf / n, hf_over_tokenloom=t_hf / t_ours, token_agreement=agree,
+               device=str(device))
+    if (peak := peak_memory(device)) is not None:
+        row["peak_memory_mb"] = peak / 2**20
     print(f"  {shape} b{batch}: tokenloom {row['tokenloom_ms_per_token']:.2f} ms/tok, "
           f"HF {row['hf_ms_per_token']:.2f} ms/tok, agreement {agree:.3f}", file=sys.stderr, flush=True)
     return row, ours
@@ -157,10 +168,10 @@ def bench_bf16(model: GPT, variant: GPT, use_autocast: bool, fp32_output: Tensor
     """tokenloom in bf16 on fp32's prompt: speed and teacher-forced agreement with fp32."""
     n = args.new_tokens
     ids = fp32_output[:, :PROMPT_LEN]
-    ctx = torch.autocast("cpu", dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
+    ctx = torch.autocast(ids.device.type, dtype=torch.bfloat16) if use_autocast else contextlib.nullcontext()
     with torch.no_grad(), ctx:
         gen_fn(variant, ids, n)  # warm-up
-        [(seconds, _)] = timed([lambda: gen_fn(variant, ids, n)], args.repeats)
+        [(seconds, _)] = timed([lambda: gen_fn(variant, ids, n)], args.repeats, ids.device)
     ms = 1000 * seconds / n
     return dict(ms_per_token=ms, speedup_vs_fp32=fp32_ms / ms,
                 teacher_forced_agreement=teacher_forced_agreement(model, variant, fp32_output, use_autocast))
@@ -176,7 +187,7 @@ def bench_compiled(variant: GPT, eager_output: Tensor, fp32_ms: float, args: arg
     config = GenerationConfig(max_new_tokens=n, do_sample=False, compile=True)
     with torch.no_grad():
         generate(variant, ids, config)  # warm-up: compiles the step
-        [(seconds, out)] = timed([lambda: generate(variant, ids, config)], args.repeats)
+        [(seconds, out)] = timed([lambda: generate(variant, ids, config)], args.repeats, ids.device)
     ms = 1000 * seconds / n
     agree = (out[:, PROMPT_LEN:] == eager_output[:, PROMPT_LEN:]).float().mean().item()
     return dict(ms_per_token=ms, speedup_vs_fp32=fp32_ms / ms, token_agreement_with_eager=agree)
@@ -203,12 +214,14 @@ def models(args: argparse.Namespace) -> list[tuple[str, Callable[[], GPT]]]:
 def bench(args: argparse.Namespace) -> dict:
     gen_fn = tokenloom_generate(args.reference_loop)
     rows, bf16_rows, compiled_rows = [], [], []
-    bandwidth = measure_bandwidth()
-    print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s", file=sys.stderr)
+    device = choose_device(args.device).device
+    bandwidth = measure_bandwidth(device=device)
+    print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({device})", file=sys.stderr)
     for shape, make in models(args):
         torch.manual_seed(args.seed)
         model = make().eval()
-        hf = to_hf(model).eval()
+        hf = to_hf(model).eval().to(device)
+        model = model.to(device)
         room = model.config.max_seq_len - PROMPT_LEN
         if args.new_tokens > room:
             print(f"  {shape}: {room} new tokens (its context is {model.config.max_seq_len})", file=sys.stderr)
@@ -300,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--reference-loop", action="store_true",
                         help="time this script's minimal greedy loop, not tokenloom.generation.generate")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--device", default=default_device(), help=DEVICE_HELP)
     args = parser.parse_args(argv)
     for shape in args.shapes.split(","):
         if shape not in SHAPES:
@@ -308,7 +322,7 @@ def main(argv: list[str] | None = None) -> None:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    print(f"{machine().describe()}, transformers {transformers.__version__}")
+    print(f"{machine().describe()}, transformers {transformers.__version__}; {choose_device(args.device).describe()}")
     load_before = os.getloadavg()[0]
     results = bench(args)
     print_tables(results, args.reference_loop)

@@ -36,6 +36,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from tokenloom.benchmarks import report_load_and_save
+from tokenloom.devices import DEVICE_HELP, choose_device, default_device, peak_memory, synchronize
 from tokenloom.hardware import machine
 from tokenloom.interop import to_hf
 from tokenloom.models.gpt import GPT, GPTConfig
@@ -57,8 +58,8 @@ def model_config(shape: str, vocab_size: int = VOCAB) -> GPTConfig:
                      embed_dim=s["embed_dim"], max_seq_len=s["max_seq_len"], dropout=0.0)
 
 
-def autocast(bf16: bool) -> contextlib.AbstractContextManager:
-    return torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
+def autocast(bf16: bool, device_type: str = "cpu") -> contextlib.AbstractContextManager:
+    return torch.autocast(device_type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
 
 def make_step(model: nn.Module, is_hf: bool, precision: str, lr: float = 3e-4,
@@ -74,8 +75,10 @@ def make_step(model: nn.Module, is_hf: bool, precision: str, lr: float = 3e-4,
         master.to_low()
     forward = logits_fn(CompiledForward(model) if compiled else model, is_hf)
 
+    device_type = next(model.parameters()).device.type
+
     def step(x: Tensor, y: Tensor) -> Tensor:
-        with autocast(precision == "bf16-autocast"):
+        with autocast(precision == "bf16-autocast", device_type):
             logits = forward(x)
             loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
         loss.backward()
@@ -99,14 +102,19 @@ def logits_fn(model: nn.Module, is_hf: bool) -> Callable[[Tensor], Tensor]:
 
 def train_steps(model: nn.Module, is_hf: bool, precision: str, batches: list[tuple[Tensor, Tensor]],
                 warmup: int, compiled: bool = False) -> tuple[list[float], float]:
-    """Train on ``batches``; return (seconds of each step after ``warmup``, last loss)."""
+    """Train on ``batches`` (on the model's device); return (seconds of each step after ``warmup``, last loss). On an
+    accelerator the clock is read after synchronising."""
     model.train()
+    device = next(model.parameters()).device
     train_step = make_step(model, is_hf, precision, compiled=compiled)
     seconds = []
     loss = torch.zeros(())
     for step, (x, y) in enumerate(batches):
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        synchronize(device)
         start = time.perf_counter()
         loss = train_step(x, y)
+        synchronize(device)
         if step >= warmup:
             seconds.append(time.perf_counter() - start)
     return seconds, float(loss.detach())
@@ -149,10 +157,14 @@ def flops_per_token(model: GPT) -> float:
 
 
 def bench_shape(shape: str, warmup: int, timed: int, repeats: int, seed: int, dtype: str = "all",
-                compiled: bool = False, peaks: dict[str, float] | None = None) -> list[dict]:
-    """Every variant from the same initial weights on the same batches. tokens/s comes from the median
-    step time (robust to bursts of load from other processes); the mean is kept alongside. With ``peaks``
-    (matmul FLOP/s per dtype, measured in this run) each row gets its model FLOPs utilisation."""
+                compiled: bool = False, peaks: dict[str, float] | None = None,
+                device: torch.device | str = "cpu") -> list[dict]:
+    """Every variant from the same initial weights on the same batches, on ``device``. tokens/s comes from the
+    median step time (robust to bursts of load from other processes); the mean is kept alongside. With ``peaks``
+    (matmul FLOP/s per dtype, measured in this run) each row gets its model FLOPs utilisation; on CUDA each row
+    gets its peak memory."""
+    device = torch.device(device)
+    memory: dict[str, int] = {}
     s = SHAPES[shape]
     torch.manual_seed(seed)
     base = GPT(model_config(shape))
@@ -163,8 +175,11 @@ def bench_shape(shape: str, warmup: int, timed: int, repeats: int, seed: int, dt
     losses: dict[str, float] = {}
     for _ in range(repeats):  # variants take turns, so a burst of load from elsewhere hits them alike
         for label, is_hf, precision, compile_ in chosen:
-            model = to_hf(copy.deepcopy(base)) if is_hf else copy.deepcopy(base)
+            model = (to_hf(copy.deepcopy(base)) if is_hf else copy.deepcopy(base)).to(device)
+            peak_memory(device, reset=True)
             seconds, losses[label] = train_steps(model, is_hf, precision, batches, warmup, compile_)
+            if (peak := peak_memory(device)) is not None:
+                memory[label] = max(memory.get(label, 0), peak)
             steps[label] += seconds
             del model
             print(f"  {shape:<7} {label:<15} {step_tokens / statistics.median(seconds):>10.0f} tok/s "
@@ -175,7 +190,10 @@ def bench_shape(shape: str, warmup: int, timed: int, repeats: int, seed: int, dt
         rows.append(dict(shape=shape, variant=label, tokens_per_s=step_tokens / median,
                          tokens_per_s_mean=step_tokens / mean, ms_per_step_median=1000 * median,
                          ms_per_step_mean=1000 * mean, timed_steps=timed, repeats=repeats, warmup_steps=warmup,
-                         batch_size=s["batch_size"], seq_len=s["max_seq_len"], last_loss=losses[label]))
+                         batch_size=s["batch_size"], seq_len=s["max_seq_len"], last_loss=losses[label],
+                         device=str(device)))
+        if label in memory:
+            rows[-1]["peak_memory_mb"] = memory[label] / 2**20
         if peaks:
             peak = peaks["fp32" if precision == "fp32" else "bf16"]
             rows[-1]["mfu"] = rows[-1]["tokens_per_s"] * flops_per_token(base) / peak
@@ -190,8 +208,9 @@ def print_table(rows: list[dict]) -> None:
           f"{'(mean)':>8} {'last loss':>10}")
     for r in rows:
         mfu = f"{100 * r['mfu']:5.1f}%" if "mfu" in r else f"{'-':>6}"
+        memory = f"  peak {r['peak_memory_mb']:,.0f} MB" if "peak_memory_mb" in r else ""
         print(f"{r['shape']:<8} {r['variant']:<33} {r['tokens_per_s']:>10.0f} {r['vs_hf_fp32']:>10.2f}x {mfu} "
-              f"{r['ms_per_step_median']:>8.1f} {r['ms_per_step_mean']:>8.1f} {r['last_loss']:>10.4f}")
+              f"{r['ms_per_step_median']:>8.1f} {r['ms_per_step_mean']:>8.1f} {r['last_loss']:>10.4f}{memory}")
 
 
 # ---------------------------------------------------------------- loss curve on real text
@@ -294,7 +313,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="instead of timing, train tokenloom fp32 and bf16 for N steps on real text")
     parser.add_argument("--data", type=Path, default=DEFAULT_DATA, help="text file for --loss-curve")
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument("--device", default=default_device(), help=DEVICE_HELP)
     args = parser.parse_args(argv)
+    choice = choose_device(args.device)
+    device = choice.device
+    print(choice.describe())
     torch.set_num_threads(args.threads)
     info = dict(torch=torch.__version__, threads=args.threads, date=time.strftime("%Y-%m-%d"),
                 machine=machine().as_dict())
@@ -310,14 +333,14 @@ def main(argv: list[str] | None = None) -> None:
                 parser.error(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
         from ..cli.bench import matmul_peak
 
-        peaks = {"fp32": matmul_peak(torch.float32), "bf16": matmul_peak(torch.bfloat16)}
+        peaks = {"fp32": matmul_peak(torch.float32, device=device), "bf16": matmul_peak(torch.bfloat16, device=device)}
         print(f"matmul peak measured now: fp32 {peaks['fp32'] / 1e9:,.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:,.0f} "
               "GFLOP/s (MFU = tokens/s x training FLOPs per token / the peak of the variant's matmul dtype)")
         info["matmul_peak"] = peaks
         for shape in shapes:
             timed = args.timed_steps or SHAPES[shape]["timed_steps"]
             rows += bench_shape(shape, args.warmup_steps, timed, args.repeats, args.seed, args.dtype, args.compile,
-                                peaks)
+                                peaks, device)
         print()
         print_table(rows)
         results = dict(info, train=rows)

@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..checkpoint import load_model, load_tokenizer, read_config, resolve_checkpoint
+from ..devices import device_of
 from ..errors import ConfigError, DataError, GenerationError, TrainingError
 from ..generation.config import offset_seed
 from ..models.registry import decoding_of
@@ -22,13 +23,16 @@ from .loading import load_inference_model, translation_model
 
 
 def train(args: argparse.Namespace) -> int:
-    from ..hardware import machine
+    from ..devices import Accelerators, training_device
+    from ..hardware import choose_precision, machine
     from ..training import load_run_config, setup_run
     from ..training.distributed import resolve_backend, session, torchrun_world
 
     if args.strategy:
         args.overrides = [*args.overrides, f"train.strategy={args.strategy}"]
-    if args.nproc < 1 or args.max_restarts < 0:
+    if args.device:
+        args.overrides = [*args.overrides, f"train.device={args.device}"]
+    if args.nproc is not None and args.nproc < 1 or args.max_restarts < 0:
         raise ConfigError(f"--nproc must be >= 1 and --max-restarts >= 0, got {args.nproc} and {args.max_restarts}")
     out = Path(args.out)
     restart = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0)
@@ -49,20 +53,26 @@ def train(args: argparse.Namespace) -> int:
         config = load_run_config(args.recipe, args.overrides)
     if args.sample and config.task == "image_classification":
         raise ConfigError("--sample applies to language models; try `tokenloom classify RUN IMAGE` after training")
-    if args.nproc > 1 and torchrun_world() is None:
+    world = torchrun_world()
+    device = training_device(config.train.device, local_rank=world[2] if world is not None else None).device
+    if config.train.precision == "fp16":
+        choose_precision("fp16", device=device)  # CUDA only: one line before any data is prepared
+    if args.nproc is None:  # --device cuda: one process per GPU
+        args.nproc = Accelerators.detect().cuda if config.train.device.strip().lower() == "cuda" else 1
+    if args.nproc > 1 and world is None:
         if config.train.strategy == "single":
             raise ConfigError(f"--nproc {args.nproc} with train.strategy=single: use --strategy ddp or fsdp")
-        resolve_backend(config.train.backend)  # an unavailable backend: one line here, not one per process
+        resolve_backend(config.train.backend, device.type)  # an unavailable backend: one line here, not one per process
         return _launch(args)
     t = config.train
-    with session(t.strategy, t.backend) as where:
+    with session(t.strategy, t.backend, device.type) as where:
         trainer = setup_run(config, out, resume=args.resume, dist=where)
         n_params = sum(p.numel() for p in trainer.model.parameters())
         say = (lambda text: print(text, file=sys.stderr)) if where.is_main else (lambda text: None)
         how = f", {where.world_size} processes ({where.strategy}, {where.backend})" if where.active else ""
         say(f"training {config.task} model ({n_params / 1e6:.2f}M parameters, {trainer.precision.precision}{how}) "
             f"for {t.max_steps} steps from step {trainer.step} -> {out}")
-        say(f"{trainer.precision.describe()}; {machine().describe()}")
+        say(f"{trainer.device_choice.describe()}; {trainer.precision.describe()}; {machine().describe()}")
         try:
             summary = trainer.fit()
         except RuntimeError as err:
@@ -73,7 +83,9 @@ def train(args: argparse.Namespace) -> int:
     say(f"step {summary['step']}: train_loss {summary['train_loss']:.4f}  "
         f"val_loss {summary.get('val_loss', float('nan')):.4f}  "
         + (f"val_acc {summary['val_acc']:.2f}  " if "val_acc" in summary else "")
-        + f"({summary['stopped_by']}, {summary['seconds']:.0f}s)")
+        + f"({summary['stopped_by']}, {summary['seconds']:.0f}s"
+        + (f", peak {summary['peak_memory_mb']:,.0f} MB on {summary['device']}" if "peak_memory_mb" in summary else "")
+        + ")")
     say(f"checkpoint: {trainer.checkpoint_dir}")
     if args.sample and where.is_main:
         model = (trainer.model if not where.active else load_model(trainer.checkpoint_dir)).eval()
@@ -165,7 +177,8 @@ def _stream_text(model, tokenizer, prompt: str, config) -> str:
         steps = min(remaining, context - len(window))
         seed = offset_seed(config.seed, chunk)
         produced = 0
-        for token in stream(model, torch.tensor([window]), replace(config, max_new_tokens=steps, seed=seed),
+        for token in stream(model, torch.tensor([window], device=device_of(model)),
+                            replace(config, max_new_tokens=steps, seed=seed),
                             tokenizer=tokenizer):
             new.append(int(token[0]))
             produced += 1
@@ -192,7 +205,7 @@ def generate(args: argparse.Namespace) -> int:
     from .vision import refuse_image_checkpoint
 
     refuse_image_checkpoint(args.checkpoint, "generate", "`tokenloom classify`")
-    model, _ = load_inference_model(args.checkpoint, args.precision)
+    model, _ = load_inference_model(args.checkpoint, args.precision, args.device)
     tokenizer = load_tokenizer(args.checkpoint)
     if getattr(model, "decoder_for", None) is not None:
         raise ConfigError("this is a translation model: use `tokenloom translate`")
@@ -232,7 +245,7 @@ def _generate_beam(args: argparse.Namespace, model, tokenizer) -> int:
                          num_return_sequences=min(args.num_samples, args.beam), length_penalty=args.length_penalty,
                          no_repeat_ngram_size=args.no_repeat_ngram_size, eos_token_id=tokenizer.eos_id)
     with torch.inference_mode():
-        out = beam_search(model, torch.tensor([ids]), config, tokenizer=tokenizer)
+        out = beam_search(model, torch.tensor([ids], device=device_of(model)), config, tokenizer=tokenizer)
     for k in range(out.sequences.shape[1]):
         if out.sequences.shape[1] > 1:
             print(f"--- hypothesis {k + 1} (score {float(out.scores[0, k]):.4f}) ---")
@@ -263,7 +276,7 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.metrics or args.source or args.reference:
         raise ConfigError("--metrics, --source and --reference apply to translation models; a language model "
                           "reports loss and perplexity")
-    model, _ = load_inference_model(ckpt, args.precision)
+    model, _ = load_inference_model(ckpt, args.precision, args.device)
     tokenizer = load_tokenizer(ckpt)
     data = config.get("data") or {}
     if not args.data and not data.get("path"):
@@ -393,7 +406,8 @@ def decoding_options(args: argparse.Namespace, model, tokenizer, precision: str 
     options = dict(iterations=getattr(args, "iterations", None), length_beam=getattr(args, "length_beam", None))
     rescore = getattr(args, "rescore", None)
     if rescore is not None:
-        _, options["rescorer"], rescore_tokenizer = translation_model(rescore, precision)
+        device = getattr(args, "device", "auto")
+        _, options["rescorer"], rescore_tokenizer = translation_model(rescore, precision, device)
         if rescore_tokenizer.fingerprint != tokenizer.fingerprint or decoding_of(options["rescorer"]) == "parallel":
             raise ConfigError(f"--rescore {rescore}: needs the autoregressive model whose tokenizer this model was "
                               "trained with (data.tokenizer_from)")
@@ -424,7 +438,7 @@ def translate(args: argparse.Namespace) -> int:
     from ..tasks.translation import translate as run
 
     output = _output_file(args.output)
-    _, model, tokenizer = translation_model(args.checkpoint, args.precision)
+    _, model, tokenizer = translation_model(args.checkpoint, args.precision, args.device)
     options = decoding_options(args, model, tokenizer, args.precision)
     lines = _read_lines(args.input)
     keep = [i for i, line in enumerate(lines) if line.strip()]
@@ -454,7 +468,7 @@ def _evaluate_translation(args: argparse.Namespace, ckpt: Path, config: dict) ->
     for name in metrics:  # an unknown metric name fails here, before any decoding
         METRICS.get(name)
     output = _output_file(args.output)
-    _, model, tokenizer = translation_model(ckpt, args.precision)
+    _, model, tokenizer = translation_model(ckpt, args.precision, args.device)
     options = decoding_options(args, model, tokenizer, args.precision)
     if args.source is not None:
         sources, references, what = _read_lines(args.source), _read_lines(args.reference), args.source
@@ -498,7 +512,8 @@ def sweep(args: argparse.Namespace) -> int:
 
     if args.parallel < 1:
         raise ConfigError(f"--parallel must be >= 1, got {args.parallel}")
-    plan = load_sweep(args.sweep, args.overrides)
+    overrides = [*args.overrides, *([f"train.device={args.device}"] if args.device else [])]
+    plan = load_sweep(args.sweep, overrides)
     print(f"sweep {plan.name}: {len(plan.points)} runs of {plan.recipe} -> {args.out}", file=sys.stderr)
     if args.dry_run:
         for point in plan.points:

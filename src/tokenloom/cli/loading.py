@@ -1,5 +1,6 @@
-"""Loading a checkpoint to run it from the command line: the weights in ``--precision`` (auto | fp32 | bf16),
-chosen once per process and width, and the family checks of the commands that need one kind of model."""
+"""Loading a checkpoint to run it from the command line: on ``--device`` (auto | cpu | cuda | cuda:N | mps), the
+weights in ``--precision`` (auto | fp32 | bf16 | fp16), chosen once per process, device and width, and the family
+checks of the commands that need one kind of model."""
 
 from __future__ import annotations
 
@@ -12,11 +13,23 @@ import torch
 from ..checkpoint import load_model, load_tokenizer, read_config, resolve_checkpoint
 from ..errors import ConfigError
 
-PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16}  # --precision -> the weights' dtype
+PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}  # --precision -> weights' dtype
 
 
 @functools.lru_cache(maxsize=8)
-def _inference_choice(precision: str, width: int):
+def command_device(device: str):
+    """The device of a command's ``--device`` (:func:`tokenloom.devices.choose_device`), chosen once per process;
+    ``auto`` says on stderr what it took."""
+    from ..devices import choose_device
+
+    choice = choose_device(device)
+    if choice.requested == "auto":
+        print(choice.describe(), file=sys.stderr)
+    return choice
+
+
+@functools.lru_cache(maxsize=8)
+def _inference_choice(precision: str, width: int, device: torch.device):
     from ..hardware import cache_dir, choose_inference_precision, remembered
     from ..nn.fused import decode_bf16_speedup
 
@@ -27,23 +40,25 @@ def _inference_choice(precision: str, width: int):
         kept.append(cached)
         return value
 
-    choice = choose_inference_precision(precision, speedup)
+    choice = choose_inference_precision(precision, speedup, device=device)
     if choice.requested == "auto":
         note = f" (measured on an earlier run, kept in {cache_dir() / 'measurements.json'})" if any(kept) else ""
         print(choice.describe() + note, file=sys.stderr)
     return choice
 
 
-def load_inference_model(checkpoint: str | Path, precision: str):
-    """(model in eval mode, config) like :func:`load_model`, its weights in ``--precision`` (auto | fp32 | bf16).
-    ``auto`` measures the decode step's kernels at the model's width, once per process and width
+def load_inference_model(checkpoint: str | Path, precision: str, device: str = "auto"):
+    """(model in eval mode, config) like :func:`load_model`, on ``--device`` (:func:`tokenloom.devices.choose_device`;
+    ``auto`` says on stderr what it took), its weights in ``--precision`` (auto | fp32 | bf16 | fp16). ``auto`` on a CPU
+    measures the decode step's kernels at the model's width, once per process and width
     (:func:`tokenloom.hardware.choose_inference_precision`), and says on stderr what it picked and why."""
+    where = command_device(device).device  # an unknown device fails before the checkpoint is read
     model, config = load_model(checkpoint)  # a missing or corrupt checkpoint fails before anything is measured
     width = int((config.get("model") or {}).get("embed_dim") or 512)
-    return model.to(PRECISIONS[_inference_choice(precision, width).precision]), config
+    return model.to(PRECISIONS[_inference_choice(precision, width, where).precision]).to(where), config
 
 
-def translation_model(checkpoint: str | Path, precision: str):
+def translation_model(checkpoint: str | Path, precision: str, device: str = "auto"):
     """(checkpoint directory, model, tokenizer) of an encoder-decoder or NAT checkpoint; a one-line error for
     another family."""
     ckpt = resolve_checkpoint(checkpoint)
@@ -51,5 +66,5 @@ def translation_model(checkpoint: str | Path, precision: str):
     if family not in ("seq2seq", "nat"):
         raise ConfigError(f"{ckpt} holds a {family!r} model; translation needs an encoder-decoder (family seq2seq "
                           f"or nat)")
-    model, _ = load_inference_model(ckpt, precision)
+    model, _ = load_inference_model(ckpt, precision, device)
     return ckpt, model, load_tokenizer(ckpt)

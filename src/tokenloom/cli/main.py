@@ -17,11 +17,19 @@ from ..errors import ConfigError, TokenloomError
 def _add_precision(p: argparse.ArgumentParser, default: str = "auto") -> None:
     if default == "auto":  # the commands that run a model: $TOKENLOOM_PRECISION sets the default (e.g. fp32 in tests)
         default = os.environ.get("TOKENLOOM_PRECISION") or default
-        text = ("the weights' dtype; auto: bf16 where this CPU has native bf16 matrix instructions and the decode step "
-                "measures faster with it, else fp32 (said on stderr); default: $TOKENLOOM_PRECISION or auto")
+        text = ("the weights' dtype; auto: on a CPU bf16 where it has native bf16 matrix instructions and the decode "
+                "step measures faster with it, else fp32; on a CUDA GPU bf16 (fp16 before Ampere); on MPS fp32 (said "
+                "on stderr); fp16: CUDA only; default: $TOKENLOOM_PRECISION or auto")
     else:
         text = f"the weights' dtype (default {default})"
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16"], default=default, help=text)
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default=default, help=text)
+    _add_device(p)
+
+
+def _add_device(p: argparse.ArgumentParser) -> None:
+    from ..devices import DEVICE_HELP, default_device
+
+    p.add_argument("--device", default=default_device(), help=DEVICE_HELP)
 
 
 def _add_train(sub: argparse._SubParsersAction) -> None:
@@ -34,11 +42,14 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--resume", action="store_true", help="continue exactly from the run's last checkpoint")
     p.add_argument("--sample", type=int, default=0, metavar="N",
                    help="print N characters/tokens of generated text after training")
-    p.add_argument("--nproc", type=int, default=1, metavar="N",
+    p.add_argument("--nproc", type=int, default=None, metavar="N",
                    help="train as N processes on this machine (starts them through torchrun's launcher; "
-                        "docs/distributed.md)")
+                        "docs/distributed.md); default: one per GPU on CUDA, else 1")
     p.add_argument("--strategy", choices=("single", "ddp", "fsdp"),
                    help="how several processes split the work (sets train.strategy; default ddp)")
+    p.add_argument("--device", default=None,
+                   help="sets train.device: auto (a CUDA GPU, else Apple MPS, else the CPU) | cpu | cuda | cuda:N | "
+                        "mps")
     p.add_argument("--max-restarts", type=int, default=0, metavar="K",
                    help="with --nproc: restart the processes up to K times after a failure; each restart resumes "
                         "from the newest intact checkpoint")
@@ -230,6 +241,7 @@ def _add_viz(sub: argparse._SubParsersAction) -> None:
                    help="text longer than the model's context: refuse (default) or keep the start")
     a.add_argument("--out", default="attention.png", help="PNG to write (default attention.png)")
     a.set_defaults(func=_run_in("viz", "attention"))
+    _add_device(a)
     c = kinds.add_parser("check", help="causal-mask check and head diagnostics (table, JSON, PNG)",
                          description="Check that no query attends to a later position (every causal layer, with "
                                      "padding) and print per-head entropy and previous/first/diagonal mass with "
@@ -241,6 +253,7 @@ def _add_viz(sub: argparse._SubParsersAction) -> None:
     c.add_argument("--image", help="ViT: an image file")
     c.add_argument("--too-long", choices=["error", "truncate"], default="truncate")
     c.add_argument("--out", default=None, help="folder for head-diagnostics.json and head-entropy-*.png")
+    _add_device(c)
     c.set_defaults(func=_run_in("viz", "check"))
     v = kinds.add_parser("curves", help="loss / learning rate / throughput of runs on shared axes (PNG)",
                          description="Training curves of one or more run directories (their metrics.jsonl).")
@@ -260,6 +273,7 @@ def _add_experiments(sub: argparse._SubParsersAction) -> None:
                    help="add to the sweep's shared settings, e.g. --set train.max_steps=500 for a quicker version "
                         "(repeatable; use a fresh --out: finished runs are not rerun)")
     p.add_argument("--dry-run", action="store_true", help="list the points and stop")
+    p.add_argument("--device", default=None, help="sets train.device of every point: auto | cpu | cuda | cuda:N | mps")
     p.set_defaults(func=_run("sweep"))
     r = sub.add_parser("sweep-report", help="tables (Markdown, CSV) and curves of a sweep directory",
                        description="results.csv, results.md (every run; per swept key: mean / std / min of the "
@@ -293,6 +307,7 @@ def _add_report(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--source", default=None, help="translation: source sentence for the alignment")
     p.add_argument("--image", default=None, help="ViT: an image for the attention rollout")
     p.add_argument("--seed", type=int, default=0)
+    _add_device(p)
     p.set_defaults(func=_run_in("report", "report"))
 
 

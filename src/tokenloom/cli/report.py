@@ -21,7 +21,7 @@ DEFAULT_SOURCE = "Ein Hund rennt durch das Gras."
 
 def report(args: argparse.Namespace) -> int:
     run = Path(args.run)
-    loaded = Loaded(run)
+    loaded = Loaded(run, args.device)
     run_dir = loaded.ckpt.parent if loaded.ckpt.name == "checkpoint" else run
     out = Path(args.out) if args.out else run_dir / "report.html"
     with tempfile.TemporaryDirectory() as tmp:

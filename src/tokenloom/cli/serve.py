@@ -40,7 +40,7 @@ def serve(args: argparse.Namespace) -> int:
     if family == "gpt":
         _check_cache_budget(ckpt, args.max_batch, args.precision)  # before the model loads
     # the flags are checked (above) before the model loads
-    model, _ = load_inference_model(ckpt, args.precision)
+    model, _ = load_inference_model(ckpt, args.precision, args.device)
     tokenizer = load_tokenizer(ckpt)
     app = create_app(model, tokenizer, config)
     _browser_safety_notes(config)

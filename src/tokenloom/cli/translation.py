@@ -40,7 +40,7 @@ def distill(args: argparse.Namespace) -> int:
     from ..data.parallel import read_parallel
     from ..tasks.translation import translate
 
-    ckpt, model, tokenizer = translation_model(args.checkpoint, args.precision)
+    ckpt, model, tokenizer = translation_model(args.checkpoint, args.precision, args.device)
     if decoding_of(model) == "parallel":
         raise ConfigError(f"{ckpt} is a non-autoregressive model; distill from an autoregressive teacher")
     if args.beam < 1:
@@ -120,7 +120,7 @@ def bench_translate(args: argparse.Namespace) -> int:
     for name in ("batch", "latency_sentences"):
         if getattr(args, name) < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
-    models = [translation_model(path, args.precision) for path in args.runs]
+    models = [translation_model(path, args.precision, args.device) for path in args.runs]
     sources, references = _bench_split(models, args.split, args.limit)
     teacher, teacher_tokenizer = next(((m, t) for _, m, t in models if decoding_of(m) != "parallel"),
                                       (None, None))

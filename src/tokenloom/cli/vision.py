@@ -35,14 +35,15 @@ def _warnings_to_stderr() -> Iterator[None]:
         print(f"warning: {w.message}", file=sys.stderr)
 
 
-def _image_model(checkpoint: str | Path, precision: str) -> tuple[Path, torch.nn.Module, dict[str, Any]]:
+def _image_model(checkpoint: str | Path, precision: str, device: str = "auto"
+                 ) -> tuple[Path, torch.nn.Module, dict[str, Any]]:
     ckpt = resolve_checkpoint(checkpoint)
     config = read_config(ckpt)
     if not is_image_checkpoint(config):
         family = (config.get("model") or {}).get("family", "gpt")
         raise ConfigError(f"{ckpt} holds a {config.get('task', 'lm')!r} model ({family}); classify needs an "
                           f"image classification checkpoint")
-    model, _ = load_inference_model(ckpt, precision)
+    model, _ = load_inference_model(ckpt, precision, device)
     return ckpt, model, config
 
 
@@ -69,7 +70,7 @@ def evaluate_image(args: argparse.Namespace, ckpt: Path, config: dict[str, Any])
     if args.batch_size:
         section["eval_batch_size"] = args.batch_size
     data = from_dict(ImageDataConfig, section, prefix="data")
-    _, model, _ = _image_model(ckpt, args.precision)
+    _, model, _ = _image_model(ckpt, args.precision, args.device)
     with _warnings_to_stderr():
         dataset = load_image_dataset(data)
     task = ImageClassificationTask(dataset, data, batch_size=1)
@@ -103,7 +104,7 @@ def classify(args: argparse.Namespace) -> int:
 
     if args.top < 1:
         raise ConfigError(f"--top must be >= 1, got {args.top}")
-    ckpt, model, config = _image_model(args.checkpoint, args.precision)
+    ckpt, model, config = _image_model(args.checkpoint, args.precision, args.device)
     data = config.get("data") or {}
     classes = data.get("classes") or [str(i) for i in range(model_classes(model, data))]
     with _warnings_to_stderr():

@@ -24,14 +24,17 @@ METRICS_FILE = "metrics.jsonl"
 class Loaded:
     """A checkpoint's model (eval, float32), config, family and tokenizer (None for image models)."""
 
-    def __init__(self, run: str | Path) -> None:
+    def __init__(self, run: str | Path, device: str = "cpu") -> None:
+        from .loading import command_device
+
+        self.device = command_device(device).device  # an unknown device fails before the checkpoint is read
         self.ckpt = resolve_checkpoint(run)
         self.config = read_config(self.ckpt)
         self.family = (self.config.get("model") or {}).get("family", "gpt")
         if self.family not in ("gpt", "seq2seq", "vit"):
             raise ConfigError(f"{self.ckpt} holds a {self.family!r} model; viz supports gpt, seq2seq and vit "
                               "checkpoints (Swin's window attention and NAT decoding are not captured)")
-        self.model, _ = load_model(self.ckpt)
+        self.model, _ = load_model(self.ckpt, device=self.device)
         self.tokenizer = load_tokenizer(self.ckpt) if self.family != "vit" else None
         # a run directory's checkpoint is RUN/checkpoint: name the run
         self.name = self.ckpt.parent.name if self.ckpt.name == "checkpoint" else self.ckpt.name
@@ -58,7 +61,7 @@ def lm_ids(loaded: Loaded, text: str, too_long: str) -> Tensor:
                                   f"shorten it or pass --too-long truncate (keeps the first {context})")
         print(f"note: --text is {len(ids)} tokens; kept the first {context} (the model's context)", file=sys.stderr)
         ids = ids[:context]
-    return torch.tensor([ids])
+    return torch.tensor([ids], device=loaded.device)
 
 
 def translation_pair(loaded: Loaded, source: str, target: str | None, too_long: str) -> dict[str, Any]:
@@ -71,17 +74,18 @@ def translation_pair(loaded: Loaded, source: str, target: str | None, too_long: 
     ids = special_ids(tok)
     src = encode_sources(model, tok, [source], truncate=too_long == "truncate")[0]
     if target is None:
-        decoder = model.decoder_for(torch.tensor([src]))
+        decoder = model.decoder_for(torch.tensor([src], device=loaded.device))
         limit = min(model.config.max_target_len - 1, int(1.5 * len(src)) + 10)
         config = GenerationConfig(max_new_tokens=limit, do_sample=False, eos_token_id=ids["eos_id"],
                                   pad_token_id=ids["pad_id"])
         with torch.inference_mode():
-            out = generate(decoder, torch.tensor([[ids["bos_id"]]]), config)[0, 1:].tolist()
+            out = generate(decoder, torch.tensor([[ids["bos_id"]]], device=loaded.device), config)[0, 1:].tolist()
         tgt = [t for t in out if t != ids["pad_id"]]
     else:
         tgt = tok.encode(target)[:model.config.max_target_len - 1] + [ids["eos_id"]]
     tgt_in = [ids["bos_id"]] + tgt[:-1] if tgt and tgt[-1] == ids["eos_id"] else [ids["bos_id"]] + tgt
-    return dict(source=torch.tensor([src]), target_in=torch.tensor([tgt_in]),
+    on = loaded.device
+    return dict(source=torch.tensor([src], device=on), target_in=torch.tensor([tgt_in], device=on),
                 source_labels=token_labels(tok, src), target_labels=token_labels(tok, tgt_in[1:] + tgt[-1:]),
                 translation=tok.decode([t for t in tgt if t != ids["eos_id"]]))
 
@@ -89,7 +93,7 @@ def translation_pair(loaded: Loaded, source: str, target: str | None, too_long: 
 def vit_image(loaded: Loaded, image: str, invert: bool) -> Tensor:
     from ..tasks.image import read_images
 
-    return read_images([image], loaded.config.get("data") or {}, invert=invert)  # (1, C, H, W)
+    return read_images([image], loaded.config.get("data") or {}, invert=invert).to(loaded.device)  # (1, C, H, W)
 
 
 def _vit_labels(model, images: Tensor) -> list[str]:
@@ -102,7 +106,7 @@ def _vit_labels(model, images: Tensor) -> list[str]:
 # --- viz attention ----------------------------------------------------------------------------------------------------
 
 def attention(args: argparse.Namespace) -> int:
-    loaded = Loaded(args.checkpoint)
+    loaded = Loaded(args.checkpoint, args.device)
     out = Path(args.out)
     layers = args.layers
     if loaded.family == "gpt":
@@ -178,8 +182,8 @@ def check_maps(loaded: Loaded, text: str | None, source: str | None, image: str 
     if loaded.family == "gpt":
         ids = lm_ids(loaded, text or DEFAULT_TEXT, too_long)[0]
         half = ids[: max(1, len(ids) // 2)]
-        batch = torch.zeros(2, len(ids), dtype=torch.long)
-        mask = torch.zeros(2, len(ids), dtype=torch.long)
+        batch = torch.zeros(2, len(ids), dtype=torch.long, device=ids.device)
+        mask = torch.zeros(2, len(ids), dtype=torch.long, device=ids.device)
         batch[0], mask[0] = ids, 1
         batch[1, len(ids) - len(half):], mask[1, len(ids) - len(half):] = half, 1
         with torch.no_grad(), capture_attention(model, kinds=["self"]) as maps:
@@ -204,7 +208,7 @@ def check_maps(loaded: Loaded, text: str | None, source: str | None, image: str 
 
 
 def check(args: argparse.Namespace) -> int:
-    loaded = Loaded(args.checkpoint)
+    loaded = Loaded(args.checkpoint, args.device)
     results = run_checks(loaded, args.text, args.source, args.image, args.too_long)
     print_checks(results)
     if args.out:

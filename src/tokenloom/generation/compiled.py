@@ -15,6 +15,9 @@ pre-packed weights, :mod:`tokenloom.nn.fused`); the compiled one attends over th
 TorchDynamo's guard check alone costs ~85 us a step. The option is there for devices and sizes where
 Inductor's kernels pay.
 
+On CUDA the step compiles with ``mode="reduce-overhead"`` (CUDA graphs: one graph replay per token), the cache
+tensors and the position marked as static addresses so the graph writes them in place.
+
 Where compilation is unavailable (no ``torch.compile``, no C++ compiler for Inductor's CPU kernels), the model
 is not a causal language model or uses linear attention (its decode state is not a key/value cache), or
 compiling fails, decoding warns once (one line) and runs eagerly: the tokens are the same either way.
@@ -67,7 +70,14 @@ class StaticDecodeStep:
         def step(tokens: Tensor, positions: Tensor, view: StaticView) -> Tensor:
             return model(tokens, positions=positions, cache=view)[:, 0]  # (B, V)
 
-        self.compiled = torch.compile(step, backend=backend or BACKEND, dynamic=False, fullgraph=True)
+        options = {}
+        if self.pos.device.type == "cuda" and (backend or BACKEND) == "inductor":  # CUDA graphs: one replay a step
+            for k, v in cache.tensors:
+                torch._dynamo.mark_static_address(k)
+                torch._dynamo.mark_static_address(v)
+            torch._dynamo.mark_static_address(self.pos)
+            options["mode"] = "reduce-overhead"
+        self.compiled = torch.compile(step, backend=backend or BACKEND, dynamic=False, fullgraph=True, **options)
 
     def __call__(self, tokens: Tensor, positions: Tensor) -> Tensor | None:
         if self.compiled is None:

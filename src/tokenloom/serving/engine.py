@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from ..devices import device_of
 from ..errors import ConfigError
 from ..generation.choose import choose_next, limit_vocabulary, vocabulary_limit
 from ..generation.config import GenerationConfig
@@ -88,7 +89,8 @@ class Engine:
         element = next(model.parameters()).element_size()
         check_kv_cache(c, max_batch, self.max_len, element, f"max_batch={max_batch}", error=ConfigError)
         self.cache = model.create_cache(max_batch, self.max_len)
-        self.lengths = torch.zeros(max_batch, dtype=torch.long)  # cached positions per row
+        self.device = device_of(model)  # the batch's tokens, positions and caches live beside the weights
+        self.lengths = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # cached positions per row
         self.views: dict[int, object] = {}  # running rows -> the cache's first rows as a ragged view
         self.slots: list[_Slot] = []
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
@@ -193,7 +195,7 @@ class Engine:
             self.waiting.put(request)
             return
         try:
-            ids = torch.tensor([request.prompt_ids])
+            ids = torch.tensor([request.prompt_ids], device=self.device)
             cache = self.model.create_cache(1, self.max_len)
             logits = self.model(ids, cache=cache)[0, -1]  # (V,)
         except Exception as error:  # noqa: BLE001
@@ -206,7 +208,7 @@ class Engine:
         config = request.config
         generator = None
         if not config.greedy and config.seed is not None:
-            generator = torch.Generator().manual_seed(config.seed)
+            generator = torch.Generator(device=self.device).manual_seed(config.seed)
         slot = _Slot(request, create_processors(config), generator, last=-1)
         self.slots.append(slot)
         token = self._choose(slot, self._limited(logits[None]))[0]
@@ -217,7 +219,7 @@ class Engine:
 
     def _step(self) -> None:
         A = len(self.slots)
-        tokens = torch.tensor([[s.last] for s in self.slots])  # (A, 1)
+        tokens = torch.tensor([[s.last] for s in self.slots], device=self.device)  # (A, 1)
         if A not in self.views:
             self.views[A] = self.cache.ragged(A, self.lengths[:A])
         lengths = self.lengths[:A]
@@ -250,7 +252,7 @@ class Engine:
         """(1, V) float32 scores (past the tokenizer's vocabulary already -inf) -> the next token, as generate()
         chooses it for one row."""
         request = slot.request
-        history = torch.tensor([request.prompt_ids + request.new_ids]) if slot.processors else None
+        history = torch.tensor([request.prompt_ids + request.new_ids], device=self.device) if slot.processors else None
         return choose_next(scores, history, slot.processors, request.config.greedy, slot.generator)[:, 0].tolist()
 
     def _deliver(self, slots: list[_Slot], tokens: list[int]) -> None:

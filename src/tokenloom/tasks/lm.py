@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from ..config import check, check_choice
 from ..data.text import TextDataset, read_text
 from ..data.tokenizers import TOKENIZERS, Tokenizer, create_tokenizer
+from ..devices import device_of
 from ..errors import DataError
 from ..models.factory import create_model, model_config_from_dict
 from .losses import cross_entropy
@@ -93,7 +94,9 @@ class LMTask(Sharded):
         max_batches = self.eval_batches if max_batches == -1 else max_batches
         total, count = 0.0, 0
         # batches of the global batch size: the same windows whatever the number of processes
+        device = device_of(model)
         for x, y in self.dataset.iter_batches(split, self.batch_size * self.world_size, self.seq_len, max_batches):
+            x, y = x.to(device), y.to(device)
             logits = model(x)
             total += cross_entropy(logits, y).item() * y.numel()
             count += y.numel()

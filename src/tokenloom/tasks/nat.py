@@ -30,6 +30,7 @@ from ..checkpoint import load_tokenizer, read_config, resolve_checkpoint
 from ..config import check
 from ..data.parallel import ParallelBatch
 from ..data.tokenizers import Tokenizer
+from ..devices import device_of, to_device
 from ..errors import CheckpointError, ConfigError, DataError
 from ..models.factory import create_model, model_config_from_dict
 from ..models.nat import NATConfig
@@ -140,11 +141,12 @@ class NATTranslationTask(TranslationTask):
         name = "val" if split == self.data.valid else split
         max_batches = self.eval_batches if max_batches == -1 else max_batches
         total, count = 0.0, 0
-        generator = torch.Generator(device=next(model.parameters()).device).manual_seed(0)
+        device = device_of(model)
+        generator = torch.Generator(device=device).manual_seed(0)
         for i, indices in enumerate(self.dataset.batches(split, self.data.max_tokens, shuffle=False)):
             if max_batches is not None and i >= max_batches:
                 break
-            batch = self.dataset.collate(split, indices, **self.ids)
+            batch = to_device(self.dataset.collate(split, indices, **self.ids), device)
             loss, n, _ = self.nat_loss(model, batch, 0.0, generator)
             total, count = total + loss.item() * n, count + n
         if count == 0:

@@ -26,6 +26,7 @@ from torch import Tensor, nn
 from ..config import check
 from ..data.parallel import ParallelBatch, ParallelDataset, read_parallel
 from ..data.tokenizers import TRANSLATION_EOS_TOKEN, Tokenizer
+from ..devices import device_of, to_device
 from ..errors import ConfigError, DataError, GenerationError
 from ..models.factory import create_model, model_config_from_dict
 from ..models.nat_kinds import decoding_options
@@ -206,10 +207,11 @@ class TranslationTask(Sharded):
         max_batches = self.eval_batches if max_batches == -1 else max_batches
         total, count = 0.0, 0
         confidences, corrects = [], []
+        device = device_of(model)
         for i, indices in enumerate(self.dataset.batches(split, self.data.max_tokens, shuffle=False)):
             if max_batches is not None and i >= max_batches:
                 break
-            batch = self.dataset.collate(split, indices, **self.ids)
+            batch = to_device(self.dataset.collate(split, indices, **self.ids), device)
             logits = model(batch.source, batch.target_in, batch.source_mask)
             n = batch.num_target_tokens
             total += cross_entropy(logits, batch.target_out, ignore_index=self.ids["pad_id"]).item() * n
@@ -308,7 +310,7 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
     ids = special_ids(tokenizer)
     encoded = encode_sources(model, tokenizer, sentences, truncate=truncate)
     results: list[str] = [""] * len(encoded)
-    device = next(model.parameters()).device
+    device = device_of(model)
     rows = parallel_options.get("length_beam", 1) if parallel else beam
     with eval_mode(model):
         for chunk, source, mask in source_batches(encoded, max_tokens, ids["pad_id"], rows_per_sentence=rows,

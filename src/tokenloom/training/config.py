@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from ..config import apply_overrides, check, check_choice, did_you_mean, from_dict, load_yaml, to_dict
+from ..devices import DEVICE
 from ..models.factory import model_config_from_dict
 from ..models.registry import MODELS
 from ..tasks import TASKS
@@ -77,9 +78,11 @@ class TrainConfig:
     keep_checkpoints: int = 1  # checkpoints kept: <run>/checkpoint and the previous ones in <run>/history
     max_nonfinite: int = 10  # a NaN/Inf loss or gradient skips the update; this many in a row stop the run (0: never)
     label_smoothing: float = 0.0  # 0.1 in the original Transformer
-    precision: Literal["auto", "fp32", "bf16", "bf16-autocast"] = "auto"  # bf16: bf16 model, fp32 master weights;
-    #   auto: bf16 where the CPU has native bf16 matrix instructions (AMX, AVX512-BF16), else fp32 (hardware.py);
-    #   a checkpoint records the precision chosen (and the machine and reason in its `machine` section)
+    precision: Literal["auto", "fp32", "bf16", "bf16-autocast", "fp16"] = "auto"  # bf16: bf16 model, fp32 master
+    #   weights; auto: on a CPU bf16 where it has native bf16 matrix instructions (AMX, AVX512-BF16), else fp32; on
+    #   a CUDA GPU bf16-autocast (fp16 with a gradient scaler before Ampere); on MPS fp32 (hardware.py); fp16: CUDA
+    #   only. A checkpoint records the precision chosen (and the machine and reason in its `machine` section)
+    device: str = "auto"  # auto | cpu | cuda | cuda:N | mps (auto: a CUDA GPU, else MPS, else the CPU; docs/devices.md)
     eval_every: int = 250  # steps between validation runs (0 = only at the end)
     eval_batches: int = 20  # validation batches per evaluation
     checkpoint_every: int = 500  # steps between checkpoints (0 = only at the end)
@@ -96,7 +99,7 @@ class TrainConfig:
     compile: bool = False  # run the training forward through torch.compile (falls back to eager, with a warning)
     compile_mode: str = "default"  # torch.compile mode: default | reduce-overhead | max-autotune
     strategy: str = "auto"  # several processes (torchrun): auto | single | ddp | fsdp (docs/distributed.md)
-    backend: str = "auto"  # torch.distributed backend: auto | gloo | nccl (the Trainer computes on the CPU: gloo)
+    backend: str = "auto"  # torch.distributed backend: auto | gloo | nccl (auto: nccl on CUDA, gloo on the CPU)
     scheduled_sampling: ScheduledSamplingConfig = field(default_factory=ScheduledSamplingConfig)  # translation
 
     def __post_init__(self) -> None:
@@ -128,6 +131,8 @@ class TrainConfig:
             value = getattr(self, name)
             check(value in known, f"train.{name} must be one of {', '.join(known)}, got {value!r}"
                                   f"{did_you_mean(value, known)}")
+        check(isinstance(self.device, str) and DEVICE.match(self.device.strip().lower()) is not None,
+              f"train.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
         check(self.compile_mode in ("default", "reduce-overhead", "max-autotune"),
               f"train.compile_mode must be default, reduce-overhead or max-autotune, got {self.compile_mode!r}")
         if self.min_lr is None:

@@ -120,20 +120,29 @@ def resolve_strategy(strategy: str) -> str:
     return strategy
 
 
-def resolve_backend(backend: str) -> str:
-    """gloo on CPU. nccl only where CUDA GPUs are; tokenloom's Trainer computes on the CPU today, so the
-    process group it needs is gloo's."""
+def resolve_backend(backend: str, device_type: str = "cpu") -> str:
+    """The process group's backend for tensors on ``device_type``: ``auto`` -> nccl on CUDA, gloo elsewhere; nccl
+    needs CUDA tensors (and a build with nccl), gloo CPU ones."""
     import torch.distributed as dist
 
+    if backend == "auto":
+        backend = "nccl" if device_type == "cuda" else "gloo"
     if backend == "nccl":
-        if not torch.cuda.is_available() or not dist.is_nccl_available():
-            why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
-            raise ConfigError(f"train.backend=nccl needs CUDA GPUs, and {why}: use train.backend=gloo (CPU)")
-        raise ConfigError("train.backend=nccl: tokenloom's Trainer computes on the CPU, whose tensors nccl cannot "
-                          "reduce: use train.backend=gloo")
+        if device_type != "cuda":
+            if not torch.cuda.is_available():
+                why = "this torch build has no CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+                raise ConfigError(f"train.backend=nccl needs CUDA GPUs, and {why}: use train.backend=gloo (CPU)")
+            raise ConfigError(f"train.backend=nccl reduces CUDA tensors, but the training device is {device_type}: "
+                              "set train.device=cuda (or --device cuda), or use train.backend=gloo")
+        if not dist.is_available() or not dist.is_nccl_available():
+            raise ConfigError("train.backend=nccl: this torch build has no nccl: use train.backend=gloo")
+        return "nccl"
     if not dist.is_available() or not dist.is_gloo_available():
         raise ConfigError("this torch build has no gloo backend (torch.distributed is unavailable): use "
                           "train.strategy=single")
+    if device_type not in ("cpu", "cuda"):
+        raise ConfigError(f"several processes on {device_type} are not supported (gloo reduces CPU tensors, nccl "
+                          "CUDA ones): train.device=cpu or cuda")
     return "gloo"
 
 
@@ -143,15 +152,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(strategy: str, backend: str = "auto", timeout_minutes: float = 30.0) -> Distributed:
-    """Join (or, for a lone ``ddp`` / ``fsdp`` process, create) the process group; returns where this
-    process stands. Seeds nothing: the caller seeds."""
+def start(strategy: str, backend: str = "auto", timeout_minutes: float = 30.0,
+          device_type: str = "cpu") -> Distributed:
+    """Join (or, for a lone ``ddp`` / ``fsdp`` process, create) the process group for tensors on ``device_type``;
+    returns where this process stands. Seeds nothing: the caller seeds."""
     strategy = resolve_strategy(strategy)
     if strategy == "single":
         return SINGLE
     import torch.distributed as dist
 
-    backend = resolve_backend(backend)
+    backend = resolve_backend(backend, device_type)
     world = torchrun_world()
     if world is None:  # one process without torchrun: a group of one (FSDP/DDP code paths, e.g. in tests)
         rank, size, local = 0, 1, 0
@@ -187,9 +197,9 @@ def stop(where: Distributed) -> None:
 
 
 @contextlib.contextmanager
-def session(strategy: str, backend: str = "auto") -> Iterator[Distributed]:
+def session(strategy: str, backend: str = "auto", device_type: str = "cpu") -> Iterator[Distributed]:
     """The process group for the block; destroyed on the way out, errors included."""
-    where = start(strategy, backend)
+    where = start(strategy, backend, device_type=device_type)
     try:
         yield where
     finally:

@@ -6,7 +6,9 @@
   gradients are added into the masters' float32 gradients, the optimizer and clipping run on the masters,
   and the masters are copied back into the bf16 model. Checkpoints hold the float32 masters.
 * ``bf16-autocast``: float32 weights, matmuls under ``torch.autocast`` (simpler, slower on CPU because
-  every matmul input is cast each step).
+  every matmul input is cast each step; what a CUDA GPU's tensor cores want: the GPU's ``auto``).
+* ``fp16`` (CUDA only): float32 weights, float16 autocast, losses scaled by ``torch.amp.GradScaler`` (the
+  Trainer); for GPUs without bf16 (before Ampere).
 """
 
 from __future__ import annotations
@@ -16,13 +18,15 @@ import contextlib
 import torch
 from torch import Tensor, nn
 
-PRECISIONS = ("fp32", "bf16", "bf16-autocast")
+PRECISIONS = ("fp32", "bf16", "bf16-autocast", "fp16")
 
 
 def autocast(precision: str, device_type: str = "cpu") -> contextlib.AbstractContextManager:
-    """bf16 autocast for ``precision == "bf16-autocast"``, else a no-op."""
+    """bf16 autocast for ``precision == "bf16-autocast"``, float16 autocast for ``fp16``, else a no-op."""
     if precision == "bf16-autocast":
         return torch.autocast(device_type, dtype=torch.bfloat16)
+    if precision == "fp16":
+        return torch.autocast(device_type, dtype=torch.float16)
     return contextlib.nullcontext()
 
 

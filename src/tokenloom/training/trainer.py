@@ -32,6 +32,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..checkpoint import STATE_FILE, resolve_checkpoint, write_checkpoint
+from ..devices import peak_memory, to_device, training_device
 from ..errors import CheckpointError, TrainingError
 from ..hardware import choose_precision, machine
 from ..nn.modes import eval_mode
@@ -102,9 +103,12 @@ class Trainer:
     def __init__(self, config: RunConfig, model: nn.Module, task: Any, run_dir: str | Path, *,
                  tokenizer: Any = None, model_section: dict[str, Any] | None = None,
                  show_progress: bool | None = None, dist: Distributed = SINGLE) -> None:
-        # train.precision auto -> bf16 or fp32 for this machine; the checkpoint records the choice (resuming
-        # elsewhere continues in it) and its `machine` section the CPU and the reason
-        self.precision = choose_precision(config.train.precision)
+        # train.device auto -> a CUDA GPU (cuda:LOCAL_RANK when distributed), else MPS, else the CPU
+        self.device_choice = training_device(config.train.device, local_rank=dist.local_rank if dist.active else None)
+        self.device = self.device_choice.device
+        # train.precision auto -> the precision for this device (and CPU); the checkpoint records the choice
+        # (resuming elsewhere continues in it) and its `machine` section the CPU and the reason
+        self.precision = choose_precision(config.train.precision, device=self.device)
         recorded = config.machine.get("precision") or {}
         if not isinstance(recorded, dict):  # a record edited by hand (or damaged): no record
             recorded = {}
@@ -116,7 +120,7 @@ class Trainer:
         if self.precision.precision != config.train.precision:
             config = dataclasses.replace(config, train=dataclasses.replace(config.train,
                                                                            precision=self.precision.precision))
-        self.config, self.model, self.task = config, model, task
+        self.config, self.model, self.task = config, model.to(self.device), task
         self.run_dir = Path(run_dir)
         self.tokenizer = tokenizer
         self.model_section = model_section or dict(config.model)
@@ -139,7 +143,10 @@ class Trainer:
         self.optimizer = create_optimizer(params, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas))
         self.scheduler = create_scheduler(self.optimizer, t.schedule, warmup_steps=t.warmup_steps,
                                           max_steps=t.max_steps, min_ratio=t.min_lr / t.lr)
-        self.generator = torch.Generator().manual_seed(t.seed)  # the data order (the same on every rank)
+        # fp16 (CUDA): losses scaled so small gradients survive float16; an overflowing step is skipped (counted with
+        # the non-finite ones) and the scale lowered
+        self.scaler = torch.amp.GradScaler(self.device.type) if t.precision == "fp16" else None
+        self.generator = torch.Generator().manual_seed(t.seed)  # the data order (the same on every rank), on the CPU
         self.ddp: nn.Module | None = None  # DistributedDataParallel, built in fit() once the model has its dtype
         self.step = 0
         self.show_progress = show_progress
@@ -163,7 +170,9 @@ class Trainer:
             data["data"] = {**(data.get("data") or {}), **self.task.checkpoint_data()}
         eos = getattr(self.tokenizer, "eos_token", None)
         data["tokenizer"] = {"eos_token": eos} if eos is not None else {}
-        data["machine"] = {**machine().as_dict(), "precision": self.precision.as_dict()}
+        data["machine"] = {**machine().as_dict(), "precision": self.precision.as_dict(),
+                           "device": {"requested": self.config.train.device, "chosen": str(self.device),
+                                      "reason": self.device_choice.reason}}
         return data
 
     def save(self) -> Path:
@@ -173,8 +182,11 @@ class Trainer:
             weights, optimizer = distributed.full_state(self.wrapper, self.optimizer)
         else:
             weights, optimizer = self._weights(), named_optimizer_state(self.optimizer, self._param_names())
-        rngs = self.dist.gather_objects({"torch": torch.get_rng_state(), "numpy": _plain_numpy_state(),
-                                         "python": random.getstate()})
+        optimizer = to_device(optimizer, "cpu")  # a checkpoint holds CPU tensors, whatever device trained it
+        rng = {"torch": torch.get_rng_state(), "numpy": _plain_numpy_state(), "python": random.getstate()}
+        if self.device.type == "cuda":  # dropout on the GPU draws from its own generator
+            rng["cuda"] = torch.cuda.get_rng_state(self.device)
+        rngs = self.dist.gather_objects(rng)
 
         def save_state(tmp: Path) -> None:
             torch.save({
@@ -192,6 +204,7 @@ class Trainer:
                 "best": self.best,
                 "nonfinite_steps": self.nonfinite_steps,
                 "tokens_seen": self.tokens_seen,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "task": self.task.state_dict() if hasattr(self.task, "state_dict") else None,
             }, tmp / STATE_FILE)
 
@@ -322,6 +335,8 @@ class Trainer:
                 torch.set_rng_state(rngs[self.dist.rank]["torch"])
                 np.random.set_state(tuple(rngs[self.dist.rank]["numpy"]))
                 random.setstate(rngs[self.dist.rank]["python"])
+                if self.device.type == "cuda" and rngs[self.dist.rank].get("cuda") is not None:
+                    torch.cuda.set_rng_state(rngs[self.dist.rank]["cuda"], self.device)
             else:  # a rank the checkpoint did not have (more processes than before): its own streams
                 seed = (self.config.train.seed + 1_000_003 * self.dist.rank + int(state["step"])) % 2**64
                 torch.manual_seed(seed), np.random.seed(seed % 2**32), random.seed(seed)
@@ -331,6 +346,8 @@ class Trainer:
             self.best = state.get("best")
             self.nonfinite_steps = int(state.get("nonfinite_steps", 0))
             self.tokens_seen = int(state.get("tokens_seen", 0))  # 0 in checkpoints older than the counter
+            if self.scaler is not None and state.get("scaler"):
+                self.scaler.load_state_dict(state["scaler"])
             if state.get("task") is not None and hasattr(self.task, "load_state_dict"):
                 self.task.load_state_dict(state["task"])
         except OSError as err:
@@ -404,7 +421,7 @@ class Trainer:
     def evaluate(self) -> dict[str, float]:
         """Every rank evaluates the whole validation set (identical results); rank 0 logs."""
         gathered = distributed.unsharded(self.wrapper) if self.fsdp else contextlib.nullcontext()
-        with eval_mode(self.model), autocast(self.config.train.precision), torch.no_grad(), gathered:
+        with eval_mode(self.model), autocast(self.config.train.precision, self.device.type), torch.no_grad(), gathered:
             metrics = self.task.evaluate(self.model)
         metrics.pop("tokens", None)
         self.last_eval = metrics
@@ -440,8 +457,8 @@ class Trainer:
         if hasattr(self.task, "step"):
             self.task.step = self.step
         for i in range(t.grad_accum_steps):
-            batch = self.task.get_batch(self.generator)
-            with autocast(t.precision), self._gradient_sync(i == t.grad_accum_steps - 1):
+            batch = to_device(self.task.get_batch(self.generator), self.device, non_blocking=True)  # built on the CPU
+            with autocast(t.precision, self.device.type), self._gradient_sync(i == t.grad_accum_steps - 1):
                 loss, n = self._loss(batch)
                 weight = 1.0
                 if self.dist.world_size > 1:
@@ -455,12 +472,15 @@ class Trainer:
                     tokens += n
                 if weight != 1.0:
                     loss = loss * weight
-                (loss / t.grad_accum_steps).backward()
+                loss = loss / t.grad_accum_steps
+                (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             if self.master is not None:
                 self.master.accumulate_grads()
         params = self.master.masters if self.master is not None else list(self.model.parameters())
         if self.master is not None and self.dist.world_size > 1:
             self._average_master_grads()
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)  # true gradients for clipping and the finite check
         if t.grad_clip is not None:
             norm = torch.nn.utils.clip_grad_norm_(params, t.grad_clip)
         else:
@@ -473,7 +493,10 @@ class Trainer:
             # a NaN/Inf loss or gradient: no update (the weights, moments and schedule stay), the batch is spent
             self.optimizer.zero_grad(set_to_none=True)
             self.nonfinite_steps += 1
-            self.nonfinite_streak += 1
+            if self.scaler is not None:
+                self.scaler.update()  # lowers the scale
+            if self.scaler is None or not math.isfinite(total_loss):  # fp16 overflow of the gradients: no streak
+                self.nonfinite_streak += 1
             if t.max_nonfinite and self.nonfinite_streak >= t.max_nonfinite:
                 raise TrainingError(f"the loss or the gradients were NaN/Inf for {self.nonfinite_streak} updates in "
                                     f"a row at step {self.step} (train.max_nonfinite={t.max_nonfinite}); stopped. The "
@@ -481,7 +504,11 @@ class Trainer:
                                     "check the data, or train in fp32, then --resume")
             return total_loss, tokens
         self.nonfinite_streak = 0
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
@@ -615,5 +642,7 @@ class Trainer:
         elapsed = time.perf_counter() - start_time
         summary = {"step": self.step, "train_loss": loss, **metrics, "stopped_by": stopped_by,
                    "nonfinite_steps": self.nonfinite_steps, "tokens": self.tokens_seen,
-                   "steps_this_run": self.step - start_step, "seconds": round(elapsed, 1)}
+                   "steps_this_run": self.step - start_step, "seconds": round(elapsed, 1), "device": str(self.device)}
+        if (peak := peak_memory(self.device)) is not None:  # CUDA: the most memory this run held
+            summary["peak_memory_mb"] = round(peak / 2**20, 1)
         return summary
