@@ -57,6 +57,24 @@ def test_generate_num_samples_and_stop(trained, capsys):
     assert first.rstrip("\n").count("\n") == 0  # stopped at the first newline
 
 
+def test_stop_takes_the_backslash_escapes_a_shell_passes_literally(trained, capsys):
+    # bash passes --stop "\n\n" as backslash, n, backslash, n: read as a blank line, the generation stops at the
+    # first one (the corpus has one every few lines), where the literal four characters would never match
+    args = ["generate", str(trained / "run"), "--prompt", "ROMEO:", "--max-new-tokens", "300", "--greedy"]
+    assert main([*args, "--stop", r"\n\n"]) == 0
+    stopped = capsys.readouterr().out
+    assert stopped.count("\n\n") == 1 and stopped.rstrip("\n").count("\n\n") == 0, stopped
+    assert main(args) == 0
+    assert len(capsys.readouterr().out) > len(stopped)
+
+
+def test_unescape_reads_the_four_escapes_and_leaves_other_backslashes():
+    from tokenloom.cli.commands import unescape
+
+    assert unescape(r"\n\n") == "\n\n" and unescape(r"a\tb\r") == "a\tb\r"
+    assert unescape(r"\\n") == "\\n" and unescape(r"\x\\") == r"\x" + "\\" and unescape("ROMEO:") == "ROMEO:"
+
+
 def test_generate_beyond_the_context_slides_a_window(trained, capsys):
     assert main(["generate", str(trained / "run"), "--prompt", "ROMEO:", "--max-new-tokens", "150",
                  "--seed", "2"]) == 0
@@ -141,3 +159,17 @@ def test_extreme_sampling_settings_are_one_line_errors_or_work(trained, capsys, 
         assert code == 0, err
     else:
         assert code == 2 and err.startswith("error: ") and error in err and "Traceback" not in err
+
+
+def test_a_run_stopped_before_any_figure_prints_none_not_nan(tmp_path, capsys, monkeypatch):
+    # Ctrl-C before the first step and evaluation: the summary has no val_loss and a nan train_loss
+    (tmp_path / "corpus.txt").write_text(TEXT)
+    recipe = {"model": {"num_layers": 1, "num_heads": 2, "embed_dim": 16, "max_seq_len": 32},
+              "data": {"path": str(tmp_path / "corpus.txt")},
+              "train": {"max_steps": 3, "batch_size": 2, "seq_len": 16, "precision": "fp32"}}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    monkeypatch.setattr("tokenloom.training.trainer.Trainer.fit", lambda self: {
+        "step": 0, "train_loss": float("nan"), "stopped_by": "interrupt", "seconds": 0.4, "device": "cpu"})
+    assert main(["train", str(tmp_path / "recipe.yaml"), "--out", str(tmp_path / "run")]) == 0
+    err = capsys.readouterr().err
+    assert "step 0: (interrupt, 0s)" in err and "nan" not in err

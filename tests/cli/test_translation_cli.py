@@ -86,6 +86,7 @@ def test_translate_stdin_and_files(run, tmp_path, capsys, monkeypatch):
                  str(tmp_path / "out.yy"), "--beam", "2"]) == 0
     lines = (tmp_path / "out.yy").read_text().split("\n")
     assert len(lines) == 4 and lines[1] == "" and lines[3] == ""  # empty input line -> empty output line
+    assert f"wrote 3 line(s) (2 translated, 1 empty) to {tmp_path / 'out.yy'}" in capsys.readouterr().err
     monkeypatch.setattr("sys.stdin", io.StringIO("red dog\nthe big cat sleeps\n"))
     capsys.readouterr()
     assert main(["translate", str(run / "run"), "--beam", "2"]) == 0

@@ -205,6 +205,16 @@ def test_nccl_without_a_gpu_suggests_gloo(tmp_path, capsys):
         start("ddp", "nccl")
 
 
+def test_a_backend_for_one_process_is_checked_and_noted_not_ignored(tmp_path, capsys):
+    recipe = write_recipe(tmp_path)
+    assert main(["train", str(recipe), "--out", str(tmp_path / "one"), "--set", "train.backend=nccl"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "train.backend=nccl" in err  # nccl on a CPU: refused in one line
+    assert main(["train", str(recipe), "--out", str(tmp_path / "gloo"), "--set", "train.backend=gloo",
+                 "--set", "train.max_steps=2"]) == 0
+    assert "note: train.backend=gloo applies to several processes" in capsys.readouterr().err
+
+
 def test_strategy_single_under_torchrun_is_refused(monkeypatch):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import signal
 import sys
@@ -65,6 +66,10 @@ def train(args: argparse.Namespace) -> int:
         resolve_backend(config.train.backend, device.type)  # an unavailable backend: one line here, not one per process
         return _launch(args)
     t = config.train
+    if t.backend != "auto" and (world is None or world[1] == 1) and t.strategy in ("auto", "single"):
+        resolve_backend(t.backend, device.type)  # impossible here too (nccl on a CPU): one line
+        print(f"note: train.backend={t.backend} applies to several processes (--nproc N); one process trains "
+              "without a process group", file=sys.stderr)
     with session(t.strategy, t.backend, device.type) as where:
         trainer = setup_run(config, out, resume=args.resume, dist=where)
         n_params = sum(p.numel() for p in trainer.model.parameters())
@@ -80,12 +85,13 @@ def train(args: argparse.Namespace) -> int:
                 raise
             raise TrainingError(f"process {where.rank}: lost contact with the other training processes "
                                 f"({str(err).splitlines()[0][-160:]})") from None
-    say(f"step {summary['step']}: train_loss {summary['train_loss']:.4f}  "
-        f"val_loss {summary.get('val_loss', float('nan')):.4f}  "
-        + (f"val_acc {summary['val_acc']:.2f}  " if "val_acc" in summary else "")
-        + f"({summary['stopped_by']}, {summary['seconds']:.0f}s"
-        + (f", peak {summary['peak_memory_mb']:,.0f} MB on {summary['device']}" if "peak_memory_mb" in summary else "")
-        + ")")
+    # only the figures this run has (a Ctrl-C before the first step or evaluation has none to print, not nan)
+    figures = [f"{name} {summary[name]:.{digits}f}" for name, digits in (("train_loss", 4), ("val_loss", 4),
+                                                                         ("val_acc", 2))
+               if isinstance(summary.get(name), float | int) and math.isfinite(summary[name])]
+    memory = f", peak {summary['peak_memory_mb']:,.0f} MB on {summary['device']}" if "peak_memory_mb" in summary else ""
+    say(f"step {summary['step']}: " + "".join(f + "  " for f in figures)
+        + f"({summary['stopped_by']}, {summary['seconds']:.0f}s{memory})")
     say(f"checkpoint: {trainer.checkpoint_dir}")
     if args.sample and where.is_main:
         model = (trainer.model if not where.active else load_model(trainer.checkpoint_dir)).eval()
@@ -223,7 +229,8 @@ def generate(args: argparse.Namespace) -> int:
         config = _gen_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                              do_sample=not args.greedy and args.temperature > 0, top_k=args.top_k,
                              top_p=args.top_p, repetition_penalty=args.repetition_penalty,
-                             stop_strings=list(args.stop), eos_token_id=tokenizer.eos_id, seed=seed,
+                             stop_strings=[unescape(text) for text in args.stop], eos_token_id=tokenizer.eos_id,
+                             seed=seed,
                              compile=args.compile)
         _stream_text(model, tokenizer, args.prompt, config)
     return 0
@@ -379,6 +386,23 @@ def _output_file(path: str | None) -> Path | None:
     return out
 
 
+_ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "\\": "\\"}
+
+
+def unescape(text: str) -> str:
+    """``text`` with the backslash escapes a shell passes through literally read as characters: ``\\n``, ``\\t``,
+    ``\\r`` and ``\\\\`` (``--stop '\\n\\n'`` is a blank line). Any other backslash stays as it is."""
+    out, i = [], 0
+    while i < len(text):
+        if text[i] == "\\" and i + 1 < len(text) and text[i + 1] in _ESCAPES:
+            out.append(_ESCAPES[text[i + 1]])
+            i += 2
+        else:
+            out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
 def _temporary(out: Path) -> Path:
     return out.with_name(f".{out.name}.{os.getpid()}.tmp")
 
@@ -452,6 +476,8 @@ def translate(args: argparse.Namespace) -> int:
     text = "".join(line + "\n" for line in out)
     if output is not None:
         _write_output(output, text)
+        print(f"wrote {len(out)} line(s) ({len(keep)} translated, {len(out) - len(keep)} empty) to {output}",
+              file=sys.stderr)
     else:
         sys.stdout.write(text)
     return 0

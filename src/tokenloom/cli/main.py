@@ -67,7 +67,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--repetition-penalty", type=float, default=1.0)
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
-                   help="stop when this text appears (repeatable)")
+                   help="stop when this text appears (repeatable); \\n, \\t, \\r and \\\\ in it are a newline, "
+                        "a tab, a carriage return and a backslash, so --stop '\\n\\n' stops at a blank line")
     p.add_argument("--greedy", action="store_true", help="always take the most likely token")
     p.add_argument("--beam", type=int, default=1, metavar="N",
                    help="beam search with N beams (prints the best hypothesis; with --num-samples K the K best)")
