@@ -290,3 +290,21 @@ def test_the_budget_uses_this_machines_memory_by_default(root, tmp_path, capsys,
     capsys.readouterr()
     line = one_line_error(capsys, main(fill([*TRAIN, "model.num_layers=1000000000"], root, tmp_path)))
     assert "needs about" in line and "this machine has" in line
+
+
+@pytest.mark.parametrize("argv, usage", [
+    (["generate", "checkpoints/shakespeare-char", "--tempreature", "1"], "usage: tokenloom generate"),
+    (["viz", "check", "checkpoints/shakespeare-char", "--foo"], "usage: tokenloom viz check"),
+])
+def test_a_typo_in_a_commands_flag_shows_that_commands_usage(argv, usage, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith(usage) and "error: unrecognized arguments: --" in err
+
+
+def test_help_shows_the_defaults(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["generate", "--help"])
+    out = capsys.readouterr().out
+    assert exit_.value.code == 0 and "(default: 200)" in out and "0 = greedy (default: 1.0)" in out

@@ -54,6 +54,8 @@ def test_evaluate_test_split_json(trained, capsys):
     result = json.loads(capsys.readouterr().out)
     assert result["split"] == "test" and result["count"] == 360
     assert 0 <= result["accuracy"] <= result["top5"] <= 100
+    shown = (result["accuracy"], result["top5"], *result["per_class"].values())
+    assert all(value == round(value, 4) for value in shown)  # percentages to 4 decimals, top-5 included
     assert len(result["confusion"]) == 10 and sum(map(sum, result["confusion"])) == 360
     assert set(result["per_class"]) == {str(i) for i in range(10)}
     if result["confusion_png"] is not None:  # drawn when matplotlib is installed

@@ -175,3 +175,13 @@ def test_the_page_check_catches_a_broken_image(lm_run, tmp_path):
     (tmp_path / "broken.html").write_text(page)
     with pytest.raises(AssertionError):
         check_page(tmp_path / "broken.html", ["Summary"])
+
+
+def test_the_reports_training_time_sums_every_resumed_segment():
+    from tokenloom.cli.report import training_seconds
+
+    first = [{"step": s, "loss": 1.0, "elapsed_s": e} for s, e in ((10, 1.5), (20, 3.0))]
+    resumed = [{"step": s, "loss": 1.0, "elapsed_s": e} for s, e in ((30, 1.25), (40, 2.5))]
+    assert training_seconds(first) == 3.0
+    assert training_seconds(first + resumed) == 5.5  # 3.0 before the resume + 2.5 after it
+    assert training_seconds([{"step": 1, "loss": 1.0}]) is None

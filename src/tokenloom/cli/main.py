@@ -434,11 +434,47 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_import(sub)
     _add_export(sub)
+    _show_defaults(parser)
     return parser
+
+
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Descriptions as written; each option's default appended to its help where it has one worth showing (not
+    None, False or empty) and the help does not already say it."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if not action.option_strings or "default" in text.lower() or action.default in (None, False, [], "") \
+                or action.default is argparse.SUPPRESS:
+            return text
+        return f"{text} (default: %(default)s)" if text else text
+
+
+def _show_defaults(parser: argparse.ArgumentParser) -> None:
+    """``--help`` of every (sub)command shows the defaults (:class:`_HelpFormatter`)."""
+    parser.formatter_class = _HelpFormatter
+    for action in parser._actions:
+        if action.help is None and action.option_strings:  # argparse prints nothing for an option without help
+            action.help = ""
+        if action.help == "" and action.default not in (None, False, [], "", argparse.SUPPRESS):
+            action.help = "(default: %(default)s)"
+        if isinstance(action, argparse._SubParsersAction):
+            for sub in action.choices.values():
+                _show_defaults(sub)
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001 - warnings' signature
     return f"warning: {message}\n"
+
+
+def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The (sub)command parser ``args`` were parsed by: ``tokenloom bench train`` -> the ``bench train`` parser."""
+    while True:
+        subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+        name = getattr(args, subs[0].dest, None) if subs else None
+        if name not in (subs[0].choices if subs else {}):
+            return parser
+        parser = subs[0].choices[name]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -449,8 +485,8 @@ def main(argv: list[str] | None = None) -> int:
     args, rest = parser.parse_known_args(argv)
     if getattr(args, "passthrough", False):
         args.rest = rest
-    elif rest:
-        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    elif rest:  # the command's own usage, not the top level's
+        _chosen_parser(parser, args).error(f"unrecognized arguments: {' '.join(rest)}")
     try:
         return args.func(args) or 0
     except TokenloomError as err:

@@ -51,13 +51,28 @@ def summary(loaded: Loaded, run_dir: Path) -> Section:
     if train:
         last = train[-1]
         rows += [["steps", last.get("step", "")], ["last training loss", last["loss"]]]
-        if "elapsed_s" in last:
-            rows.append(["training time (s)", last["elapsed_s"]])
+        seconds = training_seconds(train)
+        if seconds is not None:
+            rows.append(["training time (s)", seconds])
     if evals:
         for key, value in evals[-1].items():
             if key.startswith("val_"):
                 rows.append([f"{key} (step {evals[-1].get('step', '?')})", value])
     return Section("Summary", table(["", ""], rows, text_columns=(0, 1)))
+
+
+def training_seconds(records: list[dict]) -> float | None:
+    """The training time of a run over every segment it was resumed in: each segment's ``elapsed_s`` counts from
+    its own start, so a drop marks a resume and the segments' last values are summed. None without the field."""
+    total, previous = 0.0, None
+    for record in records:
+        elapsed = record.get("elapsed_s")
+        if not isinstance(elapsed, int | float):
+            continue
+        if previous is not None and elapsed < previous:  # a resumed segment starts its clock again
+            total += previous
+        previous = elapsed
+    return None if previous is None else round(total + previous, 2)
 
 
 def curves(run_dir: Path, tmp: Path) -> Section:

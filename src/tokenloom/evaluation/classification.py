@@ -40,8 +40,10 @@ class ClassificationReport:
         return int(sum(self.support))
 
     def to_dict(self) -> dict:
-        return {"accuracy": self.accuracy, "top5": self.top5, "loss": self.loss, "count": self.count,
-                "per_class": {c: a for c, a in zip(self.classes, self.per_class, strict=True)},
+        """The report as JSON-ready data, percentages to 4 decimals and the loss to 6 (what a float32 sum holds)."""
+        return {"accuracy": round(self.accuracy, 4), "top5": round(self.top5, 4), "loss": round(self.loss, 6),
+                "count": self.count,
+                "per_class": {c: round(a, 4) for c, a in zip(self.classes, self.per_class, strict=True)},
                 "support": {c: s for c, s in zip(self.classes, self.support, strict=True)},
                 "confusion": self.confusion.tolist(), "classes": self.classes}
 
