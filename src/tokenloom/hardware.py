@@ -242,6 +242,20 @@ def _refuse_fp16(requested: str, device_type: str) -> None:
         raise ConfigError(f"precision fp16 needs a CUDA GPU (the device is {device_type}); use auto, fp32 or bf16")
 
 
+def _accelerator_precision(requested: str, device: torch.device | str, gpu_bf16: Callable[[], bool] | None,
+                           bf16: str) -> PrecisionChoice:
+    """The precision on a CUDA or MPS ``device`` (training and inference alike; ``bf16`` names the bf16 choice):
+    an explicit one is kept; ``auto`` -> bf16 on a GPU that computes in it, fp16 on an older GPU, fp32 on MPS."""
+    if requested != "auto":
+        return PrecisionChoice(requested, requested, "")
+    if _device_type(device) == "mps":
+        return PrecisionChoice("fp32", requested, "Apple MPS: float32 (bf16 support varies by macOS version)")
+    if (gpu_bf16 or (lambda: cuda_bf16_supported(torch.device(device))))():
+        return PrecisionChoice(bf16, requested, "the GPU computes in bf16 (compute capability >= 8)")
+    return PrecisionChoice("fp16", requested, "the GPU has no bf16 (compute capability < 8): float16"
+                           + (" with a gradient scaler" if bf16 == "bf16-autocast" else ""))
+
+
 def choose_precision(requested: str, support: Callable[[], Bf16Support] | None = None,
                      device: torch.device | str | None = "cpu",
                      gpu_bf16: Callable[[], bool] | None = None) -> PrecisionChoice:
@@ -258,17 +272,8 @@ def choose_precision(requested: str, support: Callable[[], Bf16Support] | None =
     _refuse_fp16(requested, kind)
     if requested == "fp32":
         return PrecisionChoice("fp32", requested, "")
-    if kind == "cuda":
-        if requested != "auto":
-            return PrecisionChoice(requested, requested, "")
-        if (gpu_bf16 or (lambda: cuda_bf16_supported(torch.device(device))))():
-            return PrecisionChoice("bf16-autocast", requested, "the GPU computes in bf16 (compute capability >= 8)")
-        return PrecisionChoice("fp16", requested, "the GPU has no bf16 (compute capability < 8): float16 with a "
-                                                  "gradient scaler")
-    if kind == "mps":
-        if requested == "auto":
-            return PrecisionChoice("fp32", requested, "Apple MPS: float32 (bf16 support varies by macOS version)")
-        return PrecisionChoice(requested, requested, "")
+    if kind != "cpu":
+        return _accelerator_precision(requested, device, gpu_bf16, bf16="bf16-autocast")
     found = (support or bf16_support)()
     if requested == "auto":
         return PrecisionChoice("bf16" if found.native else "fp32", requested, found.reason)
@@ -330,16 +335,8 @@ def choose_inference_precision(requested: str, decode_speedup: Callable[[], floa
     _refuse_fp16(requested, kind)
     if requested == "fp32":
         return PrecisionChoice("fp32", requested, "")
-    if kind == "cuda":
-        if requested != "auto":
-            return PrecisionChoice(requested, requested, "")
-        if (gpu_bf16 or (lambda: cuda_bf16_supported(torch.device(device))))():
-            return PrecisionChoice("bf16", requested, "the GPU computes in bf16 (compute capability >= 8)")
-        return PrecisionChoice("fp16", requested, "the GPU has no bf16 (compute capability < 8)")
-    if kind == "mps":
-        if requested == "auto":
-            return PrecisionChoice("fp32", requested, "Apple MPS: float32")
-        return PrecisionChoice(requested, requested, "")
+    if kind != "cpu":
+        return _accelerator_precision(requested, device, gpu_bf16, bf16="bf16")
     found = (support or bf16_support)()
     if requested == "bf16":
         if not found.native:
