@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 
-.PHONY: install demo test test-kernels test-fuzz test-all lint bench clean
+.PHONY: docs install demo test test-kernels test-fuzz test-all wheel-test lint bench clean
 
 install: $(VENV)/.installed
 
@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,parity,viz,serve,serve-test]'
+	$(PY) -m pip install -q -e '.[dev,parity,viz,serve,serve-test,docs]'
 	touch $@
 
 demo: install
@@ -45,6 +45,17 @@ test-fuzz: install
 
 test-all: install
 	$(PY) -m pytest -m ""
+
+# The wheel: `python -m build` of a copy of the source, installed into a fresh venv (torch==2.13.0 first) and run from
+# outside the repository: --help, generate, a packaged recipe by name, the "where is data/" error
+# (tests/test_packaging.py, 1-2 minutes on 2 cores).
+wheel-test: install
+	$(PY) -m pytest -m slow -p no:cacheprovider tests/test_packaging.py
+
+# The documentation site (mkdocs.yml) into build/site. --strict: a broken link or anchor, a page missing from the nav or
+# a README section on no page of the site fails the build (scripts/docs_hooks.py generates the reference pages).
+docs: install
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --quiet
 
 lint: install
 	$(BIN)/ruff check src tests benchmarks scripts

@@ -28,7 +28,15 @@ def test_ci_lints_then_tests_then_tests_under_other_kernels_then_fuzzes():
     run = commands(ROOT / ".ci" / "run")
     assert "set -euo pipefail" in run  # a failing step fails CI
     steps = [line for line in run if line.startswith("make ")]
-    assert steps == ["make lint", "make test", "make test-kernels", "make test-fuzz"]
+    core = ["make lint", "make test", "make test-kernels", "make test-fuzz"]
+    assert [step for step in steps if step in core] == core  # in this order; other checks may sit between them
+    assert "make wheel-test" in steps  # the wheel in a fresh venv, run from outside the repository
+
+
+def test_the_wheel_test_runs_the_slow_packaging_test():
+    text = (ROOT / "Makefile").read_text()
+    recipe = text.split("\nwheel-test:", 1)[1].split("\n\n", 1)[0]
+    assert "-m slow" in recipe and "tests/test_packaging.py" in recipe
 
 
 def test_the_long_fuzz_run_selects_the_fuzz_tests_with_the_fuzz_profile():

@@ -29,6 +29,7 @@ from .config import load_yaml, save_yaml
 from .errors import CheckpointError, ConfigError
 from .files import sha256_file
 from .models.factory import create_model, model_config_from_dict
+from .packaged import where_bundled
 
 CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, STATE_FILE = "config.yaml", "model.safetensors", "tokenizer.json", \
     "trainer_state.pt"
@@ -38,7 +39,7 @@ def resolve_checkpoint(path: str | Path) -> Path:
     """A checkpoint directory, or a run directory holding one -> the checkpoint directory."""
     path = Path(path)
     if not path.exists():
-        raise CheckpointError(f"checkpoint not found: {path}")
+        raise CheckpointError(f"checkpoint not found: {path}{where_bundled(path)}")
     for candidate in (path, path / "checkpoint", path / "checkpoint.old"):
         if (candidate / CONFIG_FILE).is_file():
             return candidate
@@ -136,6 +137,8 @@ def checkpoint_damage(path: str | Path) -> str | None:
 
 
 def read_config(path: str | Path) -> dict[str, Any]:
+    """The ``config.yaml`` of a checkpoint (or run) directory as a dict; a missing or unreadable one is a one-line
+    ``CheckpointError``."""
     ckpt = resolve_checkpoint(path)
     try:
         return load_yaml(ckpt / CONFIG_FILE)

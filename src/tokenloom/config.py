@@ -8,6 +8,10 @@
 
 Range checks live in each dataclass's ``__post_init__`` and raise :class:`ConfigError` naming the
 field, the value and what is allowed.
+
+:func:`from_dict` reports every problem of a config at once: it goes on past a bad key (leaving that field at its
+default), builds the dataclass from the good ones to run its range checks, and raises the one error found as it is,
+or a :class:`ConfigProblems` listing them all (``"3 problems in configs/x.yaml:"`` and one ``"  - ..."`` line each).
 """
 
 from __future__ import annotations
@@ -17,13 +21,14 @@ import math
 import re
 import types
 import typing
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 
-from .errors import ConfigError
-from .registry import did_you_mean
+from .errors import ConfigError, ConfigProblems, unique_problems
+from .registry import closest, did_you_mean
 
 T = TypeVar("T")
 
@@ -46,6 +51,39 @@ class _NotFinite(ConfigError):
     """A float setting given as NaN or an infinity."""
 
 
+class _UnknownKey(ConfigError):
+    """A key the dataclass has no field for; ``brief`` drops the list of allowed keys where a close match is named
+    (how it reads among several problems)."""
+
+    def __init__(self, message: str, brief: str) -> None:
+        super().__init__(message)
+        self.brief = brief
+
+    def __reduce__(self) -> tuple:
+        return type(self), (str(self), self.brief)
+
+
+def raise_problems(errors: Sequence[ConfigError], source: str | None = None) -> None:
+    """Raise nothing when ``errors`` is empty, the error itself when there is one (its message and type unchanged),
+    else one :class:`ConfigProblems` listing them (headed ``N problems in <source>``)."""
+    errors = unique_problems(errors)
+    if len(errors) == 1:
+        raise errors[0]
+    if errors:
+        raise ConfigProblems(errors, source) from None
+
+
+def gather(errors: list[ConfigError], fn: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
+    """Run ``fn(*args, **kwargs)``; a :class:`ConfigError` it raises joins ``errors`` instead (False is returned).
+    For a ``__post_init__`` that validates several independent parts and reports them together."""
+    try:
+        fn(*args, **kwargs)
+    except ConfigError as err:
+        errors.append(err)
+        return False
+    return True
+
+
 def _coerce(value: Any, tp: Any, where: str) -> Any:
     """Check ``value`` against the type hint ``tp``; return it (ints widen to floats)."""
     origin = get_origin(tp)
@@ -56,8 +94,9 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
         for arg in get_args(tp):
             try:
                 return _coerce(value, arg, where)
-            except _NotFinite:
-                raise  # a number of the right type but NaN or infinite: that, not "expected float or null"
+            except (_NotFinite, ConfigProblems):
+                raise  # a number of the right type but NaN or infinite: that, not "expected float or null"; or a
+                #   mapping with several problems of the dataclass it is given for
             except ConfigError as err:
                 errors.append(err)
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
@@ -109,7 +148,8 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
 
 
 def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
-    """Build dataclass ``cls`` from ``data``, validating keys and types (see module docstring)."""
+    """Build dataclass ``cls`` from ``data``, validating keys and types (see module docstring). Every problem is
+    reported: one alone as it is, several as one :class:`ConfigProblems`."""
     if isinstance(data, cls):
         return data
     name = prefix or cls.__name__
@@ -119,22 +159,86 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
         raise ConfigError(f"{name}: expected a mapping of fields, got {data!r}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    kwargs = {}
+    kwargs, errors, dropped = {}, [], set()
     for key, value in data.items():
         if not (printable(key) and printable(value)):  # the messages below quote both
             at = (f"{prefix}.{key}" if prefix else str(key)) if printable(key) else name
-            raise ConfigError(f"{at}: holds an integer too long to print (more than 4300 digits); no setting takes one")
+            errors.append(ConfigError(f"{at}: holds an integer too long to print (more than 4300 digits); no setting "
+                                      f"takes one"))
+            dropped.add(key if printable(key) else None)
+            continue
         where = f"{prefix}.{key}" if prefix else str(key)
         if key not in fields:
-            raise ConfigError(f"unknown key {where!r}{did_you_mean(str(key), fields)}; "
-                              f"allowed: {', '.join(fields)}")
-        kwargs[key] = _coerce(value, hints[key], where)
-    try:
-        return cls(**kwargs)
-    except ConfigError as err:
-        if prefix and not str(err).startswith(prefix):
-            raise ConfigError(f"{prefix}.{err}") from None
-        raise
+            hint = did_you_mean(str(key), fields)
+            message = f"unknown key {where!r}{hint}"
+            dropped.add(closest(str(key), fields))  # the field it likely meant: a check of its default is not trusted
+            errors.append(_UnknownKey(f"{message}; allowed: {', '.join(fields)}",
+                                      message if hint else f"{message}; allowed: {', '.join(fields)}"))
+            continue
+        try:
+            kwargs[key] = _coerce(value, hints[key], where)
+        except ConfigError as err:
+            errors.append(err)
+            dropped.add(key)
+    built = _build(cls, kwargs, prefix, errors, dropped)
+    raise_problems(errors)
+    return built
+
+
+def _named_fields(message: str, fields: Sequence[str], prefix: str) -> list[str]:
+    """The fields a message names, in the order it names them (the section's prefix left out)."""
+    if prefix and message.startswith(prefix + "."):
+        message = message[len(prefix) + 1:]
+    hits = ((m.start(), name) for name in fields if (m := re.search(rf"(?<!\w){re.escape(name)}(?!\w)", message)))
+    return [name for _, name in sorted(hits)]
+
+
+def _subject(message: str, prefix: str) -> str:
+    """The first word of a message, the section's prefix left out: ``"train.lr must be ..."`` -> ``"train"``."""
+    if prefix and message.startswith(prefix + "."):
+        message = message[len(prefix) + 1:]
+    match = re.match(r"\w+", message)
+    return match.group() if match else ""
+
+
+def _prefixed(err: ConfigError, prefix: str) -> ConfigError:
+    """A ``__post_init__``'s error with the section's prefix: ``model.`` + ``"dropout must be ..."``; an unknown key
+    of a part it validates gets it inside the quotes (``unknown key 'model.attention_options.x'``)."""
+    text = str(err)
+    if not prefix or text.startswith(prefix):
+        return err
+    if text.startswith("unknown key '") and isinstance(err, _UnknownKey):
+        return _UnknownKey(text.replace("'", f"'{prefix}.", 1), err.brief.replace("'", f"'{prefix}.", 1))
+    return ConfigError(f"{prefix}.{text}")
+
+
+def _build(cls: type[T], kwargs: dict[str, Any], prefix: str, errors: list[ConfigError], dropped: set) -> T | None:
+    """``cls(**kwargs)``, its range-check errors added to ``errors``. After a failed check the field it names is
+    left at its default and the build retried, so several bad values of one section are all reported; an error
+    that names a field already left out (it may come from that default) ends the search. None if not built."""
+    fields = [f.name for f in dataclasses.fields(cls)]
+    while True:
+        try:
+            return cls(**kwargs)
+        except ConfigError as err:
+            found = [_prefixed(e, prefix) for e in unique_problems([err])]
+            if isinstance(err, ConfigProblems):  # a __post_init__ that reports all of its problems itself: each
+                #   stands unless it is about a field left out (its subject, the message's first word)
+                errors += [e for e in found if _subject(str(e), prefix) not in dropped]
+                return None
+            trusted = [e for e in found if not dropped & set(_named_fields(str(e), fields, prefix))]
+            errors += trusted
+            if len(trusted) != 1:
+                return None  # one not to trust
+            key = next((k for k in _named_fields(str(trusted[0]), fields, prefix) if k in kwargs), None)
+            if key is None:
+                return None
+            del kwargs[key]
+            dropped.add(key)
+        except Exception:
+            if not errors:  # (not a problem of the values given: raised as before)
+                raise
+            return None  # a check that a value left at its default upset: the errors found stand
 
 
 def to_dict(obj: Any) -> Any:

@@ -308,3 +308,21 @@ def test_help_shows_the_defaults(capsys):
         main(["generate", "--help"])
     out = capsys.readouterr().out
     assert exit_.value.code == 0 and "(default: 200)" in out and "0 = greedy (default: 1.0)" in out
+
+
+def test_a_recipe_with_several_problems_prints_them_all(tmp_path, capsys):
+    """Three bad keys in three sections (issue 26): one ``error:`` header naming the recipe and one indented line
+    per problem, exit status 2, no traceback, no run directory."""
+    recipe = tmp_path / "x.yaml"
+    recipe.write_text(yaml.safe_dump({"model": {"num_layers": 1, "num_heads": 2, "embed_dim": 16, "num_layer": 2},
+                                      "data": {"path": "corpus.txt", "tokenizr": "char"},
+                                      "train": {"max_step": 3}}, sort_keys=False))
+    capsys.readouterr()
+    code = main(["train", str(recipe), "--out", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and "Traceback" not in err
+    assert err.splitlines() == [f"error: 3 problems in {recipe}:",
+                                "  - unknown key 'model.num_layer' (did you mean 'num_layers'?)",
+                                "  - unknown key 'data.tokenizr' (did you mean 'tokenizer'?)",
+                                "  - unknown key 'train.max_step' (did you mean 'max_steps'?)"]
+    assert not (tmp_path / "out").exists()

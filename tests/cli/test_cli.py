@@ -93,8 +93,24 @@ def test_resume_continues(trained, tmp_path, capsys):
 
     run = tmp_path / "run"
     shutil.copytree(trained / "run", run)
+    capsys.readouterr()
+    assert main(["train", "--out", str(run), "--resume"]) == 0  # nothing changed: nothing to note
+    assert "note:" not in capsys.readouterr().err
     assert main(["train", "--out", str(run), "--resume", "--set", "train.max_steps=45"]) == 0
     assert json.loads((run / "metrics.jsonl").read_text().splitlines()[-1])["step"] == 45
+    err = capsys.readouterr().err
+    assert err.count("note:") == 1 and (
+        "note: resuming keeps the learning-rate schedule of the first run (max_steps 40 -> 45: steps after 40 run at "
+        "min_lr 0.0003); to train on a new schedule, start a new run from these weights: tokenloom train RECIPE --out "
+        f"NEW --set train.init_from={run}\n") in err
+    lrs = [r["lr"] for r in map(json.loads, (run / "metrics.jsonl").read_text().splitlines()) if "lr" in r]
+    assert lrs[-1] == pytest.approx(3e-4)  # the floor of the first run's schedule
+    # the end-of-training line names the validation figure by the part of the split training evaluated
+    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    last = next(r for r in reversed(records) if "val_loss" in r)
+    batches, total = last["eval_batches"], last["eval_split_batches"]
+    name = "val_loss[whole split]" if batches == total else f"val_loss[{batches} of {total} batches]"
+    assert "step 45: train_loss " in err and f"  {name} {last['val_loss']:.4f}  (max_steps, " in err
 
 
 @pytest.mark.parametrize("args, message", [

@@ -49,6 +49,8 @@ def test_training_writes_best_averaged_and_metrics(run):
     records = [json.loads(line) for line in (run / "run" / "metrics.jsonl").read_text().splitlines()]
     evals = [r for r in records if "val_loss" in r]
     assert [r["step"] for r in evals] == [6, 12] and all("val_bleu" in r for r in evals)
+    # the part of the validation split the figures cover: 30 pairs in token-count batches of 512
+    assert all(r["eval_batches"] == min(2, r["eval_split_batches"]) and r["eval_split_batches"] >= 1 for r in evals)
     best = read_config(run / "run" / "best")["best"]
     assert best["metric"] == "val_loss" and best["value"] == min(r["val_loss"] for r in evals)
     averaged = read_config(run / "run" / "averaged")["averaged"]

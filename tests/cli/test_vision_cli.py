@@ -135,3 +135,62 @@ def test_resume_through_the_cli(trained, tmp_path):
     records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
     assert records[-1]["step"] == 44 and "val_acc" in records[-1]
     assert torch.load(run / "checkpoint" / "trainer_state.pt", weights_only=False)["task"]["offset"] > 0
+
+
+def write_image_folder(root: Path, classes=("cat", "dog", "owl"), per_class: int = 8, size=(12, 12),
+                       mode: str = "RGB") -> Path:
+    """A folder of class subfolders of small random PNGs (Pillow, what the task reads them with)."""
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    shape = (*size, 3) if mode == "RGB" else size
+    for name in classes:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            Image.fromarray(rng.integers(0, 256, shape, dtype=np.uint8)).save(root / name / f"{i}.png")
+    return root
+
+
+FOLDER_RECIPE = {
+    "task": "image_classification",
+    "model": {"family": "vit", "patch_size": 4, "embed_dim": 16, "num_layers": 1, "num_heads": 2},  # no sizes
+    "train": {"max_steps": 2, "batch_size": 4, "warmup_steps": 0, "eval_every": 0, "eval_batches": 1,
+              "checkpoint_every": 0, "precision": "fp32"},
+}
+
+
+def test_an_image_folder_trains_with_sizes_and_classes_from_the_data(tmp_path, capsys):
+    """A recipe pointing at a folder of class subfolders, with no image_size, in_channels, num_classes, val_size or
+    test_size (issue 26): the model takes them from the images, val and test are held out of them (10% each)."""
+    images = write_image_folder(tmp_path / "pets")
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(yaml.safe_dump({**FOLDER_RECIPE, "data": {"dataset": "folder", "dir": str(images)}}))
+    assert main(["train", str(recipe), "--out", str(tmp_path / "run")]) == 0
+    config = yaml.safe_load((tmp_path / "run" / "checkpoint" / "config.yaml").read_text())
+    model = config["model"]
+    assert (model["image_size"], model["in_channels"], model["num_classes"]) == (12, 3, 3)
+    assert config["data"]["classes"] == ["cat", "dog", "owl"] and config["data"]["image_size"] == 12
+    capsys.readouterr()
+    assert main(["evaluate", str(tmp_path / "run"), "--split", "test", "--json", "--no-plot"]) == 0
+    assert json.loads(capsys.readouterr().out)["count"] == 2  # 24 images: val 2, test 2, train 20
+
+
+@pytest.mark.parametrize("model, data, message", [
+    ({"num_classes": 2}, {}, "model.num_classes=2 does not match the data (3)"),
+    ({"patch_size": 5}, {}, "model.image_size=12 must be a multiple of patch_size=5 (model.image_size is the data's "
+                            "image size, 12x12: set data.image_size"),
+    ({"patch_size": 5}, {"image_size": 14}, "model.image_size=14 must be a multiple of patch_size=5"),
+    ({"image_size": 8}, {"image_size": 16}, "model.image_size=8 does not match the data (16)"),
+    ({}, {"val_size": 20, "test_size": 4}, "its 24 training images cannot give 20 val + 4 test images and keep any "
+                                           "for training (data.val_size=20, data.test_size=4: set smaller)"),
+])
+@pytest.mark.filterwarnings("ignore:.*image\\(s\\) converted to")
+def test_image_folder_mismatches_are_one_line(tmp_path, capsys, model, data, message):
+    images = write_image_folder(tmp_path / "pets")
+    recipe = {**FOLDER_RECIPE, "model": {**FOLDER_RECIPE["model"], **model},
+              "data": {"dataset": "folder", "dir": str(images), **data}}
+    (tmp_path / "recipe.yaml").write_text(yaml.safe_dump(recipe))
+    capsys.readouterr()
+    assert main(["train", str(tmp_path / "recipe.yaml"), "--out", str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err and "Traceback" not in err

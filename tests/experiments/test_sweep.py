@@ -162,3 +162,13 @@ def test_fit_scaling_writes_fits_and_plots(tmp_path, monkeypatch):
     assert {"N", "C"} <= set(report["fits"])
     assert json.loads((out / "scaling.json").read_text())["metric"] == "val_loss"
     assert (out / "scaling-params.png").read_bytes()[:4] == b"\x89PNG" and (out / "scaling.md").is_file()
+
+
+def test_the_sweep_log_names_the_validation_figures_by_the_part_of_the_split_they_cover():
+    from tokenloom.experiments.sweep import _report
+
+    lines = []
+    final = {"step": 3, "train_loss": 2.0, "val_loss": 1.5, "val_ppl": 4.48, "val_loss@64": 1.6, "eval_batches": 2,
+             "eval_split_batches": 2}
+    _report({"name": "a", "status": "done", "seconds": 4.0, "final": final}, lines.append)
+    assert lines == ["a: done (4s) val_loss[whole split] 1.5000"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import sys
 
 from hypothesis import event
@@ -37,10 +38,17 @@ yaml_values = st.recursive(scalars, lambda children: st.one_of(
 
 
 def assert_one_line(err: BaseException) -> None:
-    """``err`` is a user error whose message is one non-empty line (what the CLI prints)."""
+    """``err`` is a user error whose message is one non-empty line (what the CLI prints); or, for a config with
+    several problems (:class:`ConfigProblems`, also quoted by another error), a header line ending in ``N problems
+    in <where>:`` and N indented ``  - `` lines, one per problem."""
     assert isinstance(err, TokenloomError), f"{type(err).__name__} is not a TokenloomError: {err!r}"
     text = str(err)
-    assert text.strip() and "\n" not in text and "\r" not in text, f"not one line: {text!r}"
+    assert text.strip() and "\r" not in text, f"not one line: {text!r}"
+    if "\n" in text:
+        header, *lines = text.split("\n")
+        count = re.search(r"(\d+) problems in .*:$", header)
+        assert count and int(count.group(1)) == len(lines) >= 2, f"not one line nor a list of problems: {text!r}"
+        assert all(line.startswith("  - ") and line[4:].strip() for line in lines), f"not one line each: {text!r}"
 
 
 def note(text: str) -> None:

@@ -167,3 +167,70 @@ def test_training_learns_and_checkpoint_records_the_data(tmp_path):
     model, _ = load_model(tmp_path / "r")
     logits, labels = trainer.task.logits(model, "val")
     assert 100 * float((logits.argmax(1) == labels).float().mean()) == pytest.approx(summary["val_acc"])
+
+
+def write_pngs(root: Path, classes=("a", "b"), per_class: int = 5, size=(6, 6), channels: int = 3) -> Path:
+    from PIL import Image
+
+    rng = np.random.default_rng(1)
+    for name in classes:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i in range(per_class):
+            pixels = rng.integers(0, 256, (*size, channels) if channels == 3 else size, dtype=np.uint8)
+            Image.fromarray(pixels).save(root / name / f"{i}.png")
+    return root
+
+
+def test_folder_splits_the_folder_lacks_are_held_out(tmp_path):
+    """Without val/ and test/ both come out of the training images (10% each, or data.val_size / test_size); a
+    folder with val/ only gets a test split; one too small for a default test split gets none."""
+    flat = write_pngs(tmp_path / "flat", per_class=10)
+    data = load_image_dataset(ImageDataConfig(dataset="folder", dir=str(flat)))
+    assert [data.size(s) for s in ("train", "val", "test")] == [16, 2, 2]
+    data = load_image_dataset(ImageDataConfig(dataset="folder", dir=str(flat), val_size=3, test_size=5))
+    assert [data.size(s) for s in ("train", "val", "test")] == [12, 3, 5]
+    write_pngs(tmp_path / "split" / "train", per_class=10)
+    write_pngs(tmp_path / "split" / "val", per_class=2)
+    data = load_image_dataset(ImageDataConfig(dataset="folder", dir=str(tmp_path / "split"), val_size=7))
+    assert [data.size(s) for s in ("train", "val", "test")] == [18, 4, 2]  # val/ given: val_size does not apply
+    tiny = load_image_dataset(ImageDataConfig(dataset="folder", dir=str(write_pngs(tmp_path / "tiny", per_class=1))))
+    assert sorted(tiny.splits) == ["train", "val"] and tiny.size("train") == 1
+    data = load_image_dataset(ImageDataConfig(dataset="folder", dir=str(flat), val_size=17))
+    assert [data.size(s) for s in ("train", "val", "test")] == [1, 17, 2]
+    data = load_image_dataset(ImageDataConfig(dataset="folder", dir=str(flat), val_size=19))  # no room for a test
+    assert sorted(data.splits) == ["train", "val"] and data.size("train") == 1
+    with pytest.raises(DataError, match=r"its 20 training images cannot give 20 val images and keep any for "
+                                        r"training \(data.val_size=20: set smaller\)"):
+        load_image_dataset(ImageDataConfig(dataset="folder", dir=str(flat), val_size=20))
+    with pytest.raises(ConfigError, match="data.test_size applies to the digits dataset and image folders"):
+        ImageDataConfig(dataset="mnist", test_size=10)
+
+
+def test_a_pinned_model_size_and_mode_are_what_the_images_become(tmp_path):
+    """model.image_size / in_channels set in the recipe win: the folder's 6x6 RGB images become 8x8 grayscale (one
+    warning); num_classes comes from the data."""
+    folder = write_pngs(tmp_path / "imgs", per_class=10)
+    data = ImageDataConfig(dataset="folder", dir=str(folder))
+    with pytest.warns(UserWarning, match="converted to 8x8 L"):
+        task, model, _, section = ImageClassificationTask.setup(
+            data, {**TINY_VIT, "image_size": 8, "in_channels": 1}, Path("."), batch_size=4, seq_len=None,
+            label_smoothing=0.0, eval_batches=None)
+    assert task.dataset.image_size == (8, 8) and task.dataset.channels == 1
+    assert (section["image_size"], section["in_channels"], section["num_classes"]) == (8, 1, 2)
+    assert model(torch.zeros(2, 1, 8, 8)).shape == (2, 2)
+    assert task.checkpoint_data()["image_size"] == 8
+
+
+def test_a_folder_recipe_without_sizes_validates_and_trains(tmp_path):
+    """A recipe leaving image_size, in_channels, num_classes, val_size and test_size to the data (left out or null),
+    with a patch size that does not divide the ViT default (224): valid, and it trains."""
+    folder = write_pngs(tmp_path / "imgs", per_class=10, size=(10, 10), channels=1)
+    config = load_run_config({"task": "image_classification",
+                              "model": {**TINY_VIT, "patch_size": 5, "num_classes": None},
+                              "data": {"dataset": "folder", "dir": str(folder)},
+                              "train": {"max_steps": 2, "batch_size": 4, "warmup_steps": 0, "eval_every": 0,
+                                        "checkpoint_every": 0, "precision": "fp32"}})
+    trainer, summary = run(config.to_dict(), tmp_path / "run")
+    assert summary["step"] == 2
+    assert (trainer.model.config.image_size, trainer.model.config.in_channels, trainer.model.config.num_classes) \
+        == (10, 1, 2)

@@ -54,3 +54,51 @@ def test_inverse_sqrt_is_noam():
 def test_unknown_schedule_suggests():
     with pytest.raises(KeyError, match="did you mean 'cosine'"):
         SCHEDULES.get("cosin")
+
+
+def spec(**changes):
+    from tokenloom.training.schedules import ScheduleSpec
+
+    base = {"schedule": "cosine", "lr": 1e-3, "min_lr": 1e-4, "warmup_steps": 10, "max_steps": 150}
+    return ScheduleSpec(**{**base, **changes})
+
+
+def test_the_resume_notice_names_each_changed_key_and_what_happens():
+    from tokenloom.training.schedules import kept_schedule_notice
+
+    first = spec()
+    assert kept_schedule_notice(first, first, first, "runs/a") is None
+    longer = kept_schedule_notice(first, first, spec(max_steps=300), "runs/a")
+    assert longer == ("note: resuming keeps the learning-rate schedule of the first run (max_steps 150 -> 300: steps "
+                      "after 150 run at min_lr 0.0001); to train on a new schedule, start a new run from these "
+                      "weights: tokenloom train RECIPE --out NEW --set train.init_from=runs/a")
+    shorter = kept_schedule_notice(first, first, spec(max_steps=100, min_lr=2e-4), "runs/a")
+    assert ("(min_lr 0.0001 -> 0.0002: the schedule keeps 0.0001; max_steps 150 -> 100: the run ends at step 100, "
+            "before the schedule's end at 150)") in shorter
+    # a resumed run (config max_steps 300, schedule 150) resumed again: 300 -> 400 is said; set back to 150 is not
+    assert "max_steps 300 -> 400: steps after 150 run at min_lr" in kept_schedule_notice(
+        first, spec(max_steps=300), spec(max_steps=400), "r")
+    assert kept_schedule_notice(first, spec(max_steps=300), spec(max_steps=150), "r") is None
+    assert kept_schedule_notice(first, spec(max_steps=300), spec(max_steps=300), "r") is None
+
+
+def test_keys_that_do_not_shape_the_schedule_need_no_notice():
+    from tokenloom.training.schedules import kept_schedule_notice
+
+    for name in ("constant", "inverse_sqrt"):
+        first = spec(schedule=name)
+        assert first.shaping_keys() == ("schedule", "lr", "warmup_steps")
+        assert kept_schedule_notice(first, first, spec(schedule=name, max_steps=900, min_lr=0.0), "r") is None
+        assert "warmup_steps 10 -> 20" in kept_schedule_notice(first, first, spec(schedule=name, warmup_steps=20),
+                                                               "r")
+
+
+def test_a_recorded_schedule_is_checked():
+    from tokenloom.training.schedules import ScheduleSpec
+
+    first = spec()
+    assert ScheduleSpec.from_record(first.as_dict()) == first
+    for bad in ({**first.as_dict(), "max_steps": "150"}, {**first.as_dict(), "warmup_steps": True},
+                {"schedule": "cosine"}, [1, 2]):
+        with pytest.raises(ValueError, match="the recorded learning-rate schedule is not one"):
+            ScheduleSpec.from_record(bad)

@@ -326,3 +326,132 @@ def test_a_trainer_state_written_with_a_numpy_rng_array_still_resumes_exactly(tm
     resumed, _ = run(cfg, tmp_path / "split", resume=True)
     a, b = params(full.model), params(resumed.model)
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def logged_lrs(run_dir):
+    import json
+
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["lr"] for r in records if "lr" in r}
+
+
+def cosine_lrs(steps, *, lr=3e-3, min_lr=3e-4, warmup=2, max_steps=12):
+    """The lr logged after each update s (the one update s + 1 trains with) of the cosine schedule, and its floor
+    after ``max_steps``."""
+    from tokenloom.training.schedules import cosine
+
+    return {s: lr * cosine(s, warmup_steps=warmup, max_steps=max_steps, min_ratio=min_lr / lr) for s in steps}
+
+
+def test_a_resume_with_a_larger_max_steps_keeps_the_schedule_and_says_so(tmp_path):
+    """The first run's cosine schedule (12 steps) continues exactly; the steps after its end run at min_lr; the notice
+    names the key; a resume of the resumed run (changed or not) keeps the schedule recorded by the first one."""
+    import torch
+
+    cfg = recipe(tmp_path, max_steps=12, log_every=1, eval_every=0, checkpoint_every=0, stop_after_steps=4)
+    first, _ = run(cfg, tmp_path / "r")
+    assert first.notices == [] and first.step == 4
+    state = torch.load(tmp_path / "r" / "checkpoint" / "trainer_state.pt", weights_only=True)
+    assert state["schedule"] == {"schedule": "cosine", "lr": 3e-3, "min_lr": pytest.approx(3e-4), "warmup_steps": 2,
+                                 "max_steps": 12}
+    resumed, _ = run(cfg, tmp_path / "r", resume=True, overrides=["train.max_steps=20"])  # steps 5-8
+    assert resumed.notices == [
+        "note: resuming keeps the learning-rate schedule of the first run (max_steps 12 -> 20: steps after 12 run "
+        "at min_lr 0.0003); to train on a new schedule, start a new run from these weights: tokenloom train RECIPE "
+        f"--out NEW --set train.init_from={tmp_path / 'r'}"]
+    # the second resume reads the run's own config (max_steps 20 now): nothing changed, nothing said
+    again, _ = run(load_run_config(read_run_config(tmp_path / "r")).to_dict(), tmp_path / "r", resume=True)  # 9-12
+    assert again.notices == [] and again.step == 12
+    last, _ = run(load_run_config(read_run_config(tmp_path / "r")).to_dict(), tmp_path / "r", resume=True,
+                  overrides=["train.stop_after_steps=null", "train.max_steps=22"])  # 13-22
+    assert last.step == 22 and last.notices == [
+        "note: resuming keeps the learning-rate schedule of the first run (max_steps 20 -> 22: steps after 12 run "
+        "at min_lr 0.0003); to train on a new schedule, start a new run from these weights: tokenloom train RECIPE "
+        f"--out NEW --set train.init_from={tmp_path / 'r'}"]
+    got = logged_lrs(tmp_path / "r")
+    assert sorted(got) == list(range(1, 23))
+    expected = cosine_lrs(range(1, 23))
+    assert all(expected[s] == pytest.approx(3e-4) for s in range(12, 23))
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-12, abs=0), step
+    # the same lr sequence as an uninterrupted run of the original schedule, step for step
+    whole = logged_lrs(run(recipe(tmp_path, max_steps=12, log_every=1, eval_every=0, checkpoint_every=0),
+                           tmp_path / "whole")[0].run_dir)
+    assert all(got[s] == whole[s] for s in whole)
+
+
+def read_run_config(run_dir):
+    from tokenloom.checkpoint import read_config
+
+    return read_config(run_dir)
+
+
+def test_an_unchanged_resume_says_nothing_and_other_keys_need_no_notice(tmp_path):
+    cfg = recipe(tmp_path, max_steps=8, log_every=1, eval_every=0, checkpoint_every=0, stop_after_steps=4)
+    run(cfg, tmp_path / "r")
+    resumed, _ = run(cfg, tmp_path / "r", resume=True, overrides=["train.eval_batches=1", "train.log_every=2"])
+    assert resumed.notices == [] and resumed.step == 8
+
+
+def test_a_resume_that_changes_lr_and_the_schedule_keeps_both(tmp_path):
+    # min_lr is unset (lr / 10): it follows the new lr, and is kept too
+    cfg = recipe(tmp_path, max_steps=8, log_every=1, eval_every=0, checkpoint_every=0, stop_after_steps=4)
+    run(cfg, tmp_path / "r")
+    resumed, _ = run(cfg, tmp_path / "r", resume=True,
+                     overrides=["train.lr=1e-2", "train.schedule=linear", "train.warmup_steps=0"])
+    assert resumed.notices == [
+        "note: resuming keeps the learning-rate schedule of the first run (schedule cosine -> linear: the schedule "
+        "keeps cosine; lr 0.003 -> 0.01: the schedule keeps 0.003; min_lr 0.0003 -> 0.001: the schedule keeps "
+        "0.0003; warmup_steps 2 -> 0: the schedule keeps 2); to train on a new schedule, start a new run from these "
+        f"weights: tokenloom train RECIPE --out NEW --set train.init_from={tmp_path / 'r'}"]
+    got, expected = logged_lrs(tmp_path / "r"), cosine_lrs(range(1, 9), max_steps=8)
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-12, abs=0), step
+
+
+def test_a_resume_of_a_checkpoint_without_a_recorded_schedule_keeps_its_config_s(tmp_path):
+    """Checkpoints written before the record: the schedule their config.yaml builds."""
+    import torch
+
+    cfg = recipe(tmp_path, max_steps=12, log_every=1, eval_every=0, checkpoint_every=0, stop_after_steps=4)
+    run(cfg, tmp_path / "r")
+    path = tmp_path / "r" / "checkpoint" / "trainer_state.pt"
+    state = torch.load(path, weights_only=True)
+    del state["schedule"]
+    torch.save(state, path)
+    from tokenloom.checkpoint import write_checksums
+
+    write_checksums(path.parent)
+    resumed, _ = run(cfg, tmp_path / "r", resume=True, overrides=["train.max_steps=16", "train.stop_after_steps=null"])
+    assert resumed.step == 16 and "max_steps 12 -> 16: steps after 12 run at min_lr 0.0003" in resumed.notices[0]
+    got, expected = logged_lrs(tmp_path / "r"), cosine_lrs(range(1, 17))
+    for step in got:
+        assert got[step] == pytest.approx(expected[step], rel=1e-12, abs=0), step
+
+
+def test_a_constant_schedule_is_not_shaped_by_max_steps(tmp_path):
+    cfg = recipe(tmp_path, max_steps=6, schedule="constant", log_every=1, eval_every=0, checkpoint_every=0,
+                 stop_after_steps=3)
+    run(cfg, tmp_path / "r")
+    resumed, _ = run(cfg, tmp_path / "r", resume=True, overrides=["train.max_steps=9", "train.min_lr=1e-4"])
+    assert resumed.notices == [] and resumed.step == 6  # stop_after_steps 3 again
+
+
+def test_training_evaluations_record_and_name_the_part_of_the_split_they_cover(tmp_path, capsys):
+    """metrics.jsonl keeps val_loss and adds eval_batches / eval_split_batches; the lines printed during training
+    name the figure val_loss[2 of N batches] (or [whole split] when train.eval_batches covers the split)."""
+    import json
+
+    trainer, summary = run(recipe(tmp_path), tmp_path / "part")  # eval_batches 2
+    total = trainer.task.eval_split_batches()
+    assert total == len(list(trainer.task.dataset.iter_batches("val", 4, 16))) > 2
+    evals = [json.loads(line) for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()
+             if '"val_loss"' in line]
+    assert [r["step"] for r in evals] == [4, 8]
+    assert all(r["eval_batches"] == 2 and r["eval_split_batches"] == total and r["val_loss"] > 0 for r in evals)
+    assert summary["eval_batches"] == 2 and summary["val_loss"] == evals[-1]["val_loss"]
+    out = capsys.readouterr().out
+    assert f"step 4: val_loss[2 of {total} batches] " in out and "val_loss " not in out
+    _, whole = run(recipe(tmp_path, eval_batches=1000), tmp_path / "whole")
+    assert whole["eval_batches"] == whole["eval_split_batches"] == total
+    assert "step 4: val_loss[whole split] " in capsys.readouterr().out

@@ -52,3 +52,21 @@ def test_curves_of_many_runs_share_one_legend_that_fits(tmp_path):
 def test_curves_without_any_known_metric_say_so(tmp_path):
     with pytest.raises(ConfigError, match="no loss, lr or tokens_per_s values in the metrics of a"):
         plots.plot_curves({"a": [{"step": 1, "val_acc": 0.5}]}, tmp_path / "c.png")
+
+
+def test_the_validation_curve_is_named_by_the_part_of_the_split_it_covers(tmp_path, monkeypatch):
+    labels = []
+    save = plots._save
+
+    def keep_labels(fig, plt, path):
+        labels.extend(label for ax in fig.axes for label in ax.get_legend_handles_labels()[1])
+        return save(fig, plt, path)
+
+    monkeypatch.setattr(plots, "_save", keep_labels)
+    rows = [{"step": s, "loss": 3 - s / 10} for s in range(1, 10)]
+    scoped = rows + [{"step": 9, "val_loss": 2.0, "eval_batches": 20, "eval_split_batches": 28}]
+    assert_png(plots.plot_curves({"a": scoped}, tmp_path / "c.png"))
+    assert labels == ["a loss", "a val_loss[20 of 28 batches]"]
+    labels.clear()
+    plots.plot_curves({"a": rows + [{"step": 9, "val_loss": 2.0}]}, tmp_path / "old.png")  # an older metrics file
+    assert labels == ["a loss", "a val_loss"]

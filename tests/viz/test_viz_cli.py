@@ -185,3 +185,19 @@ def test_the_reports_training_time_sums_every_resumed_segment():
     assert training_seconds(first) == 3.0
     assert training_seconds(first + resumed) == 5.5  # 3.0 before the resume + 2.5 after it
     assert training_seconds([{"step": 1, "loss": 1.0}]) is None
+
+
+def test_the_reports_summary_names_the_validation_figures_by_the_part_of_the_split_they_cover(tmp_path):
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from tokenloom.cli.report import summary
+
+    records = [{"step": 10, "loss": 2.0}, {"step": 10, "val_loss": 1.345, "val_ppl": 3.84, "eval_batches": 20,
+                                           "eval_split_batches": 28}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    loaded = SimpleNamespace(model=torch.nn.Linear(2, 2), config={"task": "lm"}, family="gpt")
+    body = summary(loaded, tmp_path).body
+    assert "val_loss[20 of 28 batches] (step 10)" in body and "val_ppl[20 of 28 batches] (step 10)" in body

@@ -24,6 +24,9 @@ BACKENDS = ("sdpa", "math", "performer", "linformer")
 
 def _worker(backend: str, length: int, causal: bool, batch: int, heads: int, head_dim: int, repeats: int,
             error_max_length: int, threads: int, queue) -> None:
+    from .main import one_line_warnings
+
+    one_line_warnings()  # a spawned process starts with Python's own format
     import resource
     import time
 

@@ -21,12 +21,14 @@ from ..errors import ConfigError, DataError, GenerationError, TrainingError
 from ..generation.config import offset_seed
 from ..models.registry import decoding_of
 from .loading import load_inference_model, translation_model
+from .progress import progress
 
 
 def train(args: argparse.Namespace) -> int:
     from ..devices import Accelerators, training_device
     from ..hardware import choose_precision, machine
     from ..training import load_run_config, setup_run
+    from ..training.config import check_bundled_paths
     from ..training.distributed import resolve_backend, session, torchrun_world
 
     if args.strategy:
@@ -52,6 +54,7 @@ def train(args: argparse.Namespace) -> int:
             raise ConfigError(f"{out} already holds a checkpoint: add --resume to continue it, or choose "
                               f"another --out")
         config = load_run_config(args.recipe, args.overrides)
+        check_bundled_paths(config)  # a packaged recipe outside the repository: where its data/ is, in one line
     if args.sample and config.task == "image_classification":
         raise ConfigError("--sample applies to language models; try `tokenloom classify RUN IMAGE` after training")
     world = torchrun_world()
@@ -74,6 +77,8 @@ def train(args: argparse.Namespace) -> int:
         trainer = setup_run(config, out, resume=args.resume, dist=where)
         n_params = sum(p.numel() for p in trainer.model.parameters())
         say = (lambda text: print(text, file=sys.stderr)) if where.is_main else (lambda text: None)
+        for notice in trainer.notices:  # a resume that keeps the run's learning-rate schedule
+            say(notice)
         how = f", {where.world_size} processes ({where.strategy}, {where.backend})" if where.active else ""
         say(f"training {config.task} model ({n_params / 1e6:.2f}M parameters, {trainer.precision.precision}{how}) "
             f"for {t.max_steps} steps from step {trainer.step} -> {out}")
@@ -85,9 +90,12 @@ def train(args: argparse.Namespace) -> int:
                 raise
             raise TrainingError(f"process {where.rank}: lost contact with the other training processes "
                                 f"({str(err).splitlines()[0][-160:]})") from None
-    # only the figures this run has (a Ctrl-C before the first step or evaluation has none to print, not nan)
-    figures = [f"{name} {summary[name]:.{digits}f}" for name, digits in (("train_loss", 4), ("val_loss", 4),
-                                                                         ("val_acc", 2))
+    from ..metric_scope import scoped_name
+
+    # only the figures this run has (a Ctrl-C before the first step or evaluation has none to print, not nan); the
+    # validation ones named by the part of the split they cover (val_loss[20 of 28 batches], val_loss[whole split])
+    figures = [f"{scoped_name(name, summary)} {summary[name]:.{digits}f}"
+               for name, digits in (("train_loss", 4), ("val_loss", 4), ("val_acc", 2))
                if isinstance(summary.get(name), float | int) and math.isfinite(summary[name])]
     memory = f", peak {summary['peak_memory_mb']:,.0f} MB on {summary['device']}" if "peak_memory_mb" in summary else ""
     say(f"step {summary['step']}: " + "".join(f + "  " for f in figures)
@@ -293,8 +301,12 @@ def evaluate(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="tokenloom-eval-") as tmp:
         dataset = TextDataset.prepare(path, tokenizer, tmp, val_fraction=data.get("val_fraction", 0.1))
         task = LMTask(dataset, batch_size=args.batch_size or 16, seq_len=seq_len)
+        windows = (dataset.num_tokens(args.split) - 1) // seq_len  # the split's whole windows of seq_len tokens
+        if args.batches is not None:
+            windows = min(windows, args.batches * task.batch_size)
         start = time.perf_counter()
-        metrics = task.evaluate(model, max_batches=args.batches, split=args.split)
+        with progress("evaluate", windows * seq_len if windows > 0 else None, "evaluated", "token") as done:
+            metrics = task.evaluate(model, max_batches=args.batches, split=args.split, progress=done)
         seconds = time.perf_counter() - start
     tokens = metrics.pop("tokens", None)
     result = {"checkpoint": str(ckpt), "data": str(path), "split": args.split, **metrics,
@@ -422,7 +434,7 @@ def _write_output(out: Path, text: str) -> None:
 def decoding_options(args: argparse.Namespace, model, tokenizer, precision: str = "fp32") -> dict:
     """translate()'s keyword arguments from --beam / --iterations / --length-beam / --rescore; options of the
     other kind of model are one-line errors."""
-    from ..tasks.translation import check_decoding_options
+    from ..tasks.translation import DEFAULT_BEAM, check_decoding_options
 
     beam = getattr(args, "beam", None)
     if beam is not None and beam < 1:
@@ -437,7 +449,7 @@ def decoding_options(args: argparse.Namespace, model, tokenizer, precision: str 
                               "trained with (data.tokenizer_from)")
     parallel = decoding_of(model) == "parallel"
     if not parallel:
-        options["beam"] = 5 if beam is None else beam
+        options["beam"] = DEFAULT_BEAM if beam is None else beam
     elif beam is not None:
         options["beam"] = beam  # refused below
     options.update(check_decoding_options(model, **options))  # the defaults of parallel decoding filled in
@@ -467,11 +479,11 @@ def translate(args: argparse.Namespace) -> int:
     lines = _read_lines(args.input)
     keep = [i for i, line in enumerate(lines) if line.strip()]
     out = [""] * len(lines)  # an empty input line gives an empty output line
-    with torch.inference_mode():
+    with torch.inference_mode(), progress("translate", len(keep), "translated", "sentence") as done:
         for i, text in zip(keep, run(model, tokenizer, [lines[i] for i in keep], **options,
                                      length_penalty=args.length_penalty, max_tokens=args.max_tokens,
                                      no_repeat_ngram_size=args.no_repeat_ngram_size,
-                                     truncate=args.too_long == "truncate"), strict=True):
+                                     truncate=args.too_long == "truncate", progress=done), strict=True):
             out[i] = text
     text = "".join(line + "\n" for line in out)
     if output is not None:
@@ -511,8 +523,8 @@ def _evaluate_translation(args: argparse.Namespace, ckpt: Path, config: dict) ->
         sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
         what = f"{args.split} ({data.source_lang}->{data.target_lang}, {len(pairs)} sentences)"
     start = time.perf_counter()
-    with torch.inference_mode():
-        hypotheses = run(model, tokenizer, sources, **options)
+    with torch.inference_mode(), progress("evaluate", len(sources), "translated", "sentence") as done:
+        hypotheses = run(model, tokenizer, sources, **options, progress=done)
     seconds = time.perf_counter() - start
     if output is not None:
         _write_output(output, "".join(h + "\n" for h in hypotheses))
@@ -535,6 +547,8 @@ def classify(args: argparse.Namespace) -> int:
 
 def sweep(args: argparse.Namespace) -> int:
     from ..experiments.sweep import load_sweep, run_sweep
+    from ..training import load_run_config
+    from ..training.config import check_bundled_paths
 
     if args.parallel < 1:
         raise ConfigError(f"--parallel must be >= 1, got {args.parallel}")
@@ -545,6 +559,8 @@ def sweep(args: argparse.Namespace) -> int:
         for point in plan.points:
             print(f"{point.name}: {' '.join(point.all_overrides(plan.shared))}")
         return 0
+    for point in plan.points:  # the recipe's data/ outside the repository: one line before the first run
+        check_bundled_paths(load_run_config(plan.recipe, point.all_overrides(plan.shared)))
     results = run_sweep(plan, args.out, parallel=args.parallel, log=lambda line: print(line, file=sys.stderr))
     bad = [r for r in results if r.get("status") != "done"]
     print(f"{len(results) - len(bad)} done, {len(bad)} not ({', '.join(sorted({r['status'] for r in bad}))}): "

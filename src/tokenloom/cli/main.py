@@ -1,12 +1,14 @@
-"""``tokenloom train | sweep | sweep-report | fit-scaling | generate | evaluate | translate | classify | distill |
-bench | viz | report | serve | import | export``.
+"""``tokenloom train | recipes | sweep | sweep-report | fit-scaling | generate | evaluate | translate | classify |
+distill | bench | viz | report | serve | import | export | completion``.
 
-Errors a user can cause print one line (``error: ...``) and exit with status 2; Ctrl-C exits 130.
+Errors a user can cause print one line (``error: ...``) and exit with status 2; Ctrl-C exits 130. Warnings print
+one line too (``warning: ...``, :func:`one_line_warnings`).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from collections.abc import Callable
@@ -35,7 +37,9 @@ def _add_device(p: argparse.ArgumentParser) -> None:
 def _add_train(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("train", help="train a model from a YAML recipe",
                        description="Train from a recipe; the run directory holds the checkpoint and metrics.")
-    p.add_argument("recipe", nargs="?", help="YAML recipe (optional with --resume: the run's own config is used)")
+    p.add_argument("recipe", nargs="?", help="YAML recipe file, or the name of a packaged recipe (`tokenloom recipes` "
+                                             "lists them; an existing file wins); optional with --resume: the run's "
+                                             "own config is used")
     p.add_argument("--out", required=True, help="run directory (checkpoint, metrics.jsonl, token cache)")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a recipe value, e.g. --set train.max_steps=500 (repeatable)")
@@ -54,6 +58,12 @@ def _add_train(sub: argparse._SubParsersAction) -> None:
                    help="with --nproc: restart the processes up to K times after a failure; each restart resumes "
                         "from the newest intact checkpoint")
     p.set_defaults(func=_run("train"))
+    r = sub.add_parser("recipes", help="list the packaged recipes, or print one (to copy and edit)",
+                       description="The recipes shipped inside the package: `tokenloom train NAME --out DIR` trains "
+                                   "one from anywhere. Their data/ and checkpoints/ paths point into the "
+                                   "repository (not packaged): run from its root or --set the path.")
+    r.add_argument("name", nargs="?", help="print this recipe's YAML")
+    r.set_defaults(func=_run_in("recipes", "recipes"))
 
 
 def _add_generate(sub: argparse._SubParsersAction) -> None:
@@ -85,6 +95,8 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:
+    from ..tasks.translation import DEFAULT_BEAM
+
     p = sub.add_parser("evaluate", help="evaluate a checkpoint: loss and perplexity (lm), BLEU (translation), "
                        "accuracy and confusion matrix (image classification)")
     p.add_argument("checkpoint", help="checkpoint or run directory")
@@ -98,7 +110,8 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
                    "batch (the recipe's data.eval_batch_size)")
     p.add_argument("--metrics", nargs="+", default=None, metavar="NAME",
                    help="translation: bleu chrf rouge exact_match (default: bleu chrf)")
-    p.add_argument("--beam", type=int, default=None, help="translation: beam size (1 = greedy; default 5)")
+    p.add_argument("--beam", type=int, default=None,
+                   help=f"translation: beam size (1 = greedy; default {DEFAULT_BEAM})")
     _add_parallel_decoding(p, "translation: ")
     p.add_argument("--source", default=None, help="translation: a source file to evaluate instead of a split")
     p.add_argument("--reference", default=None, help="translation: its reference translations (line-aligned)")
@@ -121,12 +134,14 @@ def _add_parallel_decoding(p: argparse.ArgumentParser, prefix: str = "") -> None
 
 
 def _add_translate(sub: argparse._SubParsersAction) -> None:
+    from ..tasks.translation import DEFAULT_BEAM
+
     p = sub.add_parser("translate", help="translate sentences with an encoder-decoder checkpoint",
                        description="Translate one sentence per line (stdin or --input) to stdout or --output.")
     p.add_argument("checkpoint", help="checkpoint or run directory of a translation model")
     p.add_argument("--input", default=None, help="source file, one sentence per line (default: stdin)")
     p.add_argument("--output", default=None, help="file for the translations (default: stdout)")
-    p.add_argument("--beam", type=int, default=None, help="beam size (1 = greedy; default 5)")
+    p.add_argument("--beam", type=int, default=None, help=f"beam size (1 = greedy; default {DEFAULT_BEAM})")
     _add_parallel_decoding(p)
     p.add_argument("--length-penalty", type=float, default=1.0,
                    help="beam score = sum of log-probs / length ** this (default 1.0)")
@@ -155,19 +170,25 @@ def _add_classify(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_distill(sub: argparse._SubParsersAction) -> None:
+    from ..tasks.translation import DEFAULT_BEAM
+
     p = sub.add_parser("distill", help="sequence-level knowledge distillation: a teacher's translations as a corpus",
                        description="Translate a split's sources with an autoregressive teacher and write them, "
                                    "line-aligned with the translations, as a data folder (other splits copied) "
                                    "that a recipe's data.dir can point at.")
     p.add_argument("checkpoint", help="the teacher: a translation checkpoint or run directory")
     p.add_argument("--split", default="train", help="split of the teacher's data to translate (default train)")
-    p.add_argument("--beam", type=int, default=5, help="the teacher's beam size (default 5)")
-    p.add_argument("--out", required=True, help="data folder to write")
+    p.add_argument("--beam", type=int, default=DEFAULT_BEAM, help=f"the teacher's beam size (default {DEFAULT_BEAM})")
+    p.add_argument("--out", required=True, help="data folder to write (a new or empty one, e.g. under runs/; never "
+                                                "the teacher's own data folder)")
     p.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch (times the beam)")
-    p.add_argument("--chunk", type=int, default=1000, help="sentences per progress step")
+    p.add_argument("--chunk", type=int, default=1000, help="sentences sorted by length and batched together at a "
+                                                           "time")
     p.add_argument("--limit", type=int, default=None, help="only the first N pairs (a quick look)")
     _add_precision(p)
-    p.add_argument("--force", action="store_true", help="write into a non-empty --out")
+    p.add_argument("--force", action="store_true", help="write into an --out that already holds files, replacing "
+                                                        "those distill writes (the split's two files, the copied "
+                                                        "splits, README.md)")
     p.set_defaults(func=_run_in("translation", "distill"))
 
 
@@ -434,8 +455,18 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_import(sub)
     _add_export(sub)
+    _add_completion(sub)
     _show_defaults(parser)
     return parser
+
+
+def _add_completion(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("completion", help="print the shell's tab-completion script (bash, zsh, tcsh)",
+                       description='Print the tab completion of every command, flag and choice for a shell, e.g. '
+                                   'in ~/.bashrc:\n\n  eval "$(tokenloom completion bash)"\n\nor written once to '
+                                   'a file the shell reads at start (quicker).')
+    p.add_argument("shell", choices=["bash", "zsh", "tcsh"], help="the shell the script is for")
+    p.set_defaults(func=_run_in("completion", "completion"))
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
@@ -464,7 +495,26 @@ def _show_defaults(parser: argparse.ArgumentParser) -> None:
 
 
 def _one_line_warning(message, category, filename, lineno, line=None) -> str:  # noqa: ANN001 - warnings' signature
-    return f"warning: {message}\n"
+    return f"warning: {' '.join(str(message).split())}\n"
+
+
+class _OneLineLog(logging.Formatter):
+    """A log record as ``warning: ...`` (``error: ...``) on one line, like the CLI's own messages."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        return f"{record.levelname.lower()}: {' '.join(record.getMessage().split())}"
+
+
+def one_line_warnings() -> None:
+    """Every warning as one ``warning: ...`` line on stderr, without the file and source line: Python warnings
+    (torch's and matplotlib's included) and the records of loggers that have no handler of their own (matplotlib's
+    font notes, ...), which Python's last-resort handler prints. Called first in :func:`main`; importing this
+    module imports no torch, so warnings that libraries raise as they are imported get the format too."""
+    import warnings
+
+    warnings.formatwarning = _one_line_warning
+    if logging.lastResort is not None:
+        logging.lastResort.setFormatter(_OneLineLog())
 
 
 def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.ArgumentParser:
@@ -478,9 +528,7 @@ def _chosen_parser(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
 
 
 def main(argv: list[str] | None = None) -> int:
-    import warnings
-
-    warnings.formatwarning = _one_line_warning  # "warning: ..." on stderr, without the file and line
+    one_line_warnings()  # before build_parser imports torch
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if getattr(args, "passthrough", False):

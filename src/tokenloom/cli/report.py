@@ -12,6 +12,7 @@ import torch
 import yaml
 
 from ..errors import ConfigError, TokenloomError
+from ..metric_scope import scoped_name
 from ..viz import capture_attention, plots
 from ..viz.report import Section, image, note, pre, render, table
 from .viz import Loaded, entropy_tables, lm_ids, read_metrics, run_checks, token_labels, translation_pair, vit_image
@@ -54,10 +55,10 @@ def summary(loaded: Loaded, run_dir: Path) -> Section:
         seconds = training_seconds(train)
         if seconds is not None:
             rows.append(["training time (s)", seconds])
-    if evals:
+    if evals:  # named by the part of the validation split training evaluated (val_loss[20 of 28 batches])
         for key, value in evals[-1].items():
             if key.startswith("val_"):
-                rows.append([f"{key} (step {evals[-1].get('step', '?')})", value])
+                rows.append([f"{scoped_name(key, evals[-1])} (step {evals[-1].get('step', '?')})", value])
     return Section("Summary", table(["", ""], rows, text_columns=(0, 1)))
 
 

@@ -18,6 +18,7 @@ import torch
 from ..checkpoint import read_config
 from ..config import from_dict
 from ..errors import ConfigError
+from ..files import write_atomic
 from ..models.nat_kinds import NAT_KINDS
 from ..models.registry import decoding_of
 from .commands import describe_decoding
@@ -32,34 +33,52 @@ def _data_config(config: dict):
     return from_dict(cls, config.get("data") or {}, prefix="data")
 
 
+def _write_lines(path: Path, lines: list[str]) -> None:
+    write_atomic(path, lambda tmp: tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8"))
+
+
+def _check_out(out: Path, data_dir: Path, force: bool) -> None:
+    """``--out`` before any work: never the teacher's own data folder (its targets would be replaced), and a
+    folder that already holds files only with ``--force``."""
+    blocking = next((p for p in (out, *out.parents) if p.exists()), None)
+    if blocking is not None and not blocking.is_dir():
+        raise ConfigError(f"cannot write --out {out}: {blocking} is a file, not a folder")
+    if out.resolve() == data_dir.resolve():
+        raise ConfigError(f"--out {out} is the teacher's own data folder: distilling into it would replace its "
+                          "reference translations; choose another --out")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise ConfigError(f"--out {out} already holds files (distill does not overwrite them): choose another "
+                          "--out, e.g. under runs/, or add --force to replace the files it writes there")
+
+
 def distill(args: argparse.Namespace) -> int:
     """Translate a split's sources with the teacher and write them with its translations as a new data folder
-    (the other splits copied unchanged), line-aligned; an empty translation keeps the original target."""
-    from tqdm import tqdm
-
+    (the other splits copied unchanged), line-aligned; an empty translation keeps the original target. An ``--out``
+    that holds files is refused without ``--force``; the teacher's own data folder always."""
+    from ..checkpoint import resolve_checkpoint
     from ..data.parallel import read_parallel
     from ..tasks.translation import translate
+    from .progress import progress
 
+    for name in ("beam", "chunk"):
+        if getattr(args, name) < 1:
+            raise ConfigError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    data = _data_config(read_config(resolve_checkpoint(args.checkpoint)))
+    out = Path(args.out)
+    _check_out(out, Path(data.dir), args.force)  # before the teacher is loaded or a sentence translated
     ckpt, model, tokenizer = translation_model(args.checkpoint, args.precision, args.device)
     if decoding_of(model) == "parallel":
         raise ConfigError(f"{ckpt} is a non-autoregressive model; distill from an autoregressive teacher")
-    if args.beam < 1:
-        raise ConfigError(f"--beam must be >= 1, got {args.beam}")
-    data = _data_config(read_config(ckpt))
-    out = Path(args.out)
-    if out.exists() and any(out.iterdir()) and not args.force:
-        raise ConfigError(f"{out} is not empty: choose another --out or add --force")
     pairs = read_parallel(*data.files(args.split), empty_lines=data.empty_lines)
     if args.limit is not None:
         pairs = pairs[:args.limit]
     sources = [source for source, _ in pairs]
     start = time.perf_counter()
     hypotheses: list[str] = []
-    with torch.inference_mode(), tqdm(total=len(sources), desc="distill", unit="sent", disable=None) as bar:
+    with torch.inference_mode(), progress("distill", len(sources), "translated", "sentence") as done:
         for i in range(0, len(sources), args.chunk):
             hypotheses += translate(model, tokenizer, sources[i:i + args.chunk], beam=args.beam,
-                                    max_tokens=args.max_tokens)
-            bar.update(len(sources[i:i + args.chunk]))
+                                    max_tokens=args.max_tokens, progress=done)
     seconds = time.perf_counter() - start
     hypotheses = [" ".join(h.split()) for h in hypotheses]  # a line break inside one would break the alignment
     empty = [i for i, h in enumerate(hypotheses) if not h]
@@ -68,16 +87,14 @@ def distill(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     src_name, tgt_name = (Path(p).name for p in data.files(args.split))
     for name, lines in ((src_name, sources), (tgt_name, hypotheses)):
-        tmp = out / f".{name}.tmp"
-        tmp.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
-        tmp.replace(out / name)
+        _write_lines(out / name, lines)
     copied = []
     for split in data.splits:
         if split == args.split:
             continue
         for path in data.files(split):
             if Path(path).is_file():
-                shutil.copyfile(path, out / Path(path).name)
+                write_atomic(out / Path(path).name, lambda tmp, path=path: shutil.copyfile(path, tmp))
                 copied.append(Path(path).name)
     notes = Path(data.dir) / "README.md"
     (out / "README.md").write_text(

@@ -17,6 +17,7 @@ import torch
 from ..checkpoint import read_config, resolve_checkpoint
 from ..errors import ConfigError
 from .loading import load_inference_model
+from .progress import progress
 
 IMAGE_TASK = "image_classification"
 
@@ -74,8 +75,12 @@ def evaluate_image(args: argparse.Namespace, ckpt: Path, config: dict[str, Any])
     with _warnings_to_stderr():
         dataset = load_image_dataset(data)
     task = ImageClassificationTask(dataset, data, batch_size=1)
+    total = dataset.size(args.split)
+    if args.batches is not None:
+        total = min(total, args.batches * data.eval_batch_size)
     start = time.perf_counter()
-    logits, labels = task.logits(model, args.split, args.batches)
+    with progress("evaluate", total, "evaluated", "image") as done:
+        logits, labels = task.logits(model, args.split, args.batches, progress=done)
     seconds = time.perf_counter() - start
     report = classification_report(logits, labels, dataset.classes)
     plot = None
@@ -107,8 +112,8 @@ def classify(args: argparse.Namespace) -> int:
     ckpt, model, config = _image_model(args.checkpoint, args.precision, args.device)
     data = config.get("data") or {}
     classes = data.get("classes") or [str(i) for i in range(model_classes(model, data))]
-    with _warnings_to_stderr():
-        probs = run(model, args.images, data, mismatch=args.mismatch, invert=args.invert)  # (N, K)
+    with _warnings_to_stderr(), progress("classify", len(args.images), "classified", "image") as done:
+        probs = run(model, args.images, data, mismatch=args.mismatch, invert=args.invert, progress=done)  # (N, K)
     k = min(args.top, probs.shape[1])
     top = probs.topk(k, dim=1)
     predictions = []

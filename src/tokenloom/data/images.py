@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 from ..errors import DataError
+from ..packaged import where_bundled
 
 # IDX element types: code -> numpy dtype (big-endian)
 IDX_TYPES = {0x08: np.dtype(np.uint8), 0x09: np.dtype(np.int8), 0x0B: np.dtype(">i2"), 0x0C: np.dtype(">i4"),
@@ -47,7 +48,7 @@ MODES = {1: "L", 3: "RGB"}  # in_channels -> Pillow mode
 def _read_bytes(path: Path) -> bytes:
     """The file's bytes, gunzipped when the file starts with the gzip magic; one-line DataErrors."""
     if not path.is_file():
-        raise DataError(f"data file not found: {path}")
+        raise DataError(f"data file not found: {path}{where_bundled(path)}")
     try:
         raw = path.read_bytes()
         if raw[:2] == b"\x1f\x8b":
@@ -108,7 +109,7 @@ def read_mnist(root: str | Path, split: str = "train") -> tuple[Tensor, Tensor]:
     """MNIST ``train`` (60,000) or ``test`` (10,000) images (N, 1, 28, 28) uint8 and labels (N,) int64."""
     root = Path(root)
     if not root.is_dir():
-        raise DataError(f"MNIST folder not found: {root}")
+        raise DataError(f"MNIST folder not found: {root}{where_bundled(root)}")
     image_path, label_path = (_find(root, stem) for stem in MNIST_FILES[split])
     images, labels = read_idx(image_path), read_idx(label_path)
     if images.dtype != np.uint8 or images.ndim != 3:

@@ -46,6 +46,7 @@ import torch
 
 from ..errors import ConfigError, DataError, TokenizerError
 from ..files import sha256_file, write_atomic
+from ..packaged import where_bundled
 from .text import read_text
 from .tokenizers import Tokenizer
 
@@ -251,7 +252,7 @@ class ParallelDataset:
             files = {"source": Path(src_path), "target": Path(tgt_path)}
             for path in files.values():
                 if not path.is_file():
-                    raise DataError(f"data file not found: {path}")
+                    raise DataError(f"data file not found: {path}{where_bundled(path)}")
             wanted = {"tokenizer": tokenizer.fingerprint, "vocab_size": tokenizer.vocab_size,
                       "empty_lines": empty_lines}
             split = _reuse(cache_dir, meta, name, files, wanted)
@@ -339,7 +340,7 @@ class ParallelDataset:
         recorded = s.entry["files"][side]
         path = Path(recorded["path"])
         if not path.is_file():
-            raise DataError(f"data file not found: {path}")
+            raise DataError(f"data file not found: {path}{where_bundled(path)}")
         stat = path.stat()
         if (stat.st_size, stat.st_mtime_ns) != (recorded["size"], recorded["mtime_ns"]):
             raise DataError(f"{path} changed after the data was prepared; prepare it again")

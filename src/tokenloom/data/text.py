@@ -29,6 +29,7 @@ import torch
 
 from ..errors import DataError, TokenizerError
 from ..files import sha256_file, write_atomic
+from ..packaged import where_bundled
 from .tokenizers import Tokenizer
 
 META_FILE = "data_meta.json"
@@ -40,7 +41,7 @@ def read_text(path: str | Path) -> str:
     """The exact content of a UTF-8 text file (no newline translation); one-line DataErrors."""
     path = Path(path)
     if not path.is_file():
-        raise DataError(f"data file not found: {path}")
+        raise DataError(f"data file not found: {path}{where_bundled(path)}")
     try:
         raw = path.read_bytes()
     except OSError as err:
@@ -90,7 +91,7 @@ class TextDataset:
             raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
         text_path, out_dir = Path(text_path), Path(out_dir)
         if not text_path.is_file():
-            raise DataError(f"data file not found: {text_path}")
+            raise DataError(f"data file not found: {text_path}{where_bundled(text_path)}")
         stat = text_path.stat()
         if stat.st_size == 0:
             raise DataError(f"data file is empty: {text_path}")

@@ -2,7 +2,8 @@
 
 A sweep file (``sweeps/*.yaml``)::
 
-    recipe: configs/shakespeare-char.yaml      # relative to the working directory or to the sweep file
+    recipe: configs/shakespeare-char.yaml      # relative to the working directory or to the sweep file, or
+                                               # the name of a packaged recipe (shakespeare-char)
     set: {train.max_steps: 300}                # overrides every run shares
     grid:                                      # the cartesian product of these
       model.num_layers: [2, 6]
@@ -32,6 +33,7 @@ import os
 import re
 import time
 import traceback
+import warnings
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -39,6 +41,8 @@ from typing import Any
 
 from ..config import load_yaml
 from ..errors import ConfigError, TokenloomError, TrainingError
+from ..metric_scope import scoped_name
+from ..packaged import packaged_recipe, packaged_recipes
 from ..registry import did_you_mean
 
 RESULT_FILE = "result.json"
@@ -106,13 +110,15 @@ def load_sweep(path: str | Path, overrides: list[str] | None = None) -> Sweep:
     if "recipe" not in data:
         raise ConfigError(f"{path}: no recipe (the YAML recipe every run starts from)")
     recipe = Path(data["recipe"])
-    for candidate in (recipe, path.parent / recipe, path.parent.parent / recipe):
-        if candidate.is_file():
+    for candidate in (recipe, path.parent / recipe, path.parent.parent / recipe, packaged_recipe(str(recipe))):
+        if candidate is not None and candidate.is_file():
             recipe = candidate
             break
     else:
+        known = packaged_recipes()
         raise ConfigError(f"{path}: recipe {data['recipe']} not found (relative to the working directory or the "
-                          "sweep file)")
+                          f"sweep file), nor a packaged recipe{did_you_mean(recipe.stem, known)}; packaged recipes: "
+                          f"{', '.join(known) or 'none'}")
     grid = _mapping(data.get("grid"), "grid")
     for key, values in grid.items():
         if not isinstance(values, list) or not values:
@@ -268,6 +274,11 @@ def run_point(recipe: str, overrides: list[str], run_dir: str, evaluate: dict[st
     return result
 
 
+def _warn_like(formatwarning: Any) -> None:
+    """A spawned worker formats warnings as its parent does (the CLI's: one ``warning: ...`` line)."""
+    warnings.formatwarning = formatwarning
+
+
 def run_sweep(sweep: Sweep, out: str | Path, *, parallel: int = 1, log: Any = print) -> list[dict[str, Any]]:
     """Run every point not finished yet; returns all results (finished earlier or now) in sweep order."""
     out = Path(out)
@@ -288,7 +299,8 @@ def run_sweep(sweep: Sweep, out: str | Path, *, parallel: int = 1, log: Any = pr
         threads = max(1, (os.cpu_count() or 1) // parallel)
         import multiprocessing
 
-        with ProcessPoolExecutor(max_workers=parallel, mp_context=multiprocessing.get_context("spawn")) as pool:
+        with ProcessPoolExecutor(max_workers=parallel, mp_context=multiprocessing.get_context("spawn"),
+                                 initializer=_warn_like, initargs=(warnings.formatwarning,)) as pool:
             futures = {pool.submit(run_point, *job, threads): job for job in jobs}
             for future in futures:
                 _report(future.result(), log)
@@ -302,8 +314,8 @@ def run_sweep(sweep: Sweep, out: str | Path, *, parallel: int = 1, log: Any = pr
 
 def _report(result: dict[str, Any], log: Any) -> None:
     final = result.get("final", {})
-    shown = "  ".join(f"{k} {v:.4f}" for k, v in final.items() if k.startswith("val_") and isinstance(v, float)
-                      and "@" not in k and not k.endswith("_ppl"))
+    shown = "  ".join(f"{scoped_name(k, final)} {v:.4f}" for k, v in final.items()  # val_loss[20 of 28 batches]
+                      if k.startswith("val_") and isinstance(v, float) and "@" not in k and not k.endswith("_ppl"))
     log(f"{result['name']}: {result['status']} ({result['seconds']:.0f}s) "
         + (shown if result["status"] == "done" else result.get("error", "")))
 

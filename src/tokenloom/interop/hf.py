@@ -102,6 +102,7 @@ class Rule:
 
 
 def rule(ours: str, hf: str | Iterable[str], op: str = "copy", split: Iterable[int] = ()) -> Rule:
+    """One weight-mapping rule of a converter: our name, the Hugging Face name(s), and the operation between them."""
     return Rule(ours, (hf,) if isinstance(hf, str) else tuple(hf), op, tuple(split))
 
 
@@ -301,6 +302,7 @@ def _with_base_prefix(conv: HFConverter, rules: list[Rule], hf_state: dict[str, 
 # ---- reading a Hugging Face directory ---------------------------------------------------------------
 
 def read_hf_config(directory: str | Path) -> dict[str, Any]:
+    """The ``config.json`` of a Hugging Face model directory, read as JSON (no code runs); else a one-line error."""
     directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"Hugging Face model directory not found: {directory}")

@@ -39,6 +39,9 @@ from .registry import MODELS, declare_decoding
 
 @dataclass
 class GPTConfig:
+    """A decoder-only GPT: sizes, positions, norms, MLP and attention backend (``model:`` with ``family: gpt``).
+    ``GPTConfig.from_name("gpt2")`` gives the GPT-2 shapes."""
+
     vocab_size: int = 65  # number of token ids
     num_layers: int = 6  # Transformer blocks
     num_heads: int = 6  # query heads per attention layer

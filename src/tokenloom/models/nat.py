@@ -54,6 +54,9 @@ NAT_POSITIONS = ("sinusoidal", "sinusoidal_halves", "learned", "rope", "none")
 
 @dataclass
 class NATConfig(Seq2SeqConfig):
+    """A non-autoregressive encoder-decoder (``model:`` with ``family: nat``): the encoder-decoder's settings plus
+    the kind (``nat`` with length prediction, ``cmlm`` Mask-Predict, ``ctc``) and its options."""
+
     kind: str = "cmlm"  # a name in NAT_KINDS (tokenloom.models.nat_kinds): nat | cmlm | ctc
     decoder_input: str = "copy"  # nat: copy (uniform copy of the source embeddings) | position (queries only)
     length_prediction: str = "offset"  # offset (target - source length) | classify (the target length)

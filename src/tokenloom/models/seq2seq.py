@@ -50,36 +50,39 @@ from .registry import MODELS, declare_decoding
 
 @dataclass
 class Seq2SeqConfig:
+    """The encoder-decoder Transformer (``model:`` with ``family: seq2seq``); the defaults are the original
+    Transformer-base's (Post-Norm, ReLU MLP, sinusoidal positions, shared embeddings)."""
+
     vocab_size: int = 8000  # joint source/target vocabulary
-    encoder_layers: int = 6
-    decoder_layers: int = 6
-    num_heads: int = 8
+    encoder_layers: int = 6  # encoder blocks
+    decoder_layers: int = 6  # decoder blocks (self-attention, cross-attention, MLP)
+    num_heads: int = 8  # query heads per attention layer
     num_kv_heads: int | None = None  # grouped-query attention; None = num_heads
-    embed_dim: int = 512
+    embed_dim: int = 512  # width of the residual stream (d_model)
     max_source_len: int = 256  # longest source (tokens, EOS included) the encoder accepts
     max_target_len: int = 256  # longest target (BOS + tokens + EOS) the decoder produces
     position: str = "sinusoidal"  # sinusoidal | sinusoidal_halves | learned | rope | alibi | t5 | none
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_placement: str = "post"  # post (the original Transformer) | pre
-    norm_eps: float = 1e-5
+    norm_eps: float = 1e-5  # epsilon of every norm layer
     mlp: str = "relu"  # relu (the paper) | gelu | gelu_tanh | silu | swiglu
-    mlp_ratio: float = 4.0
+    mlp_ratio: float = 4.0  # MLP hidden width = mlp_ratio * embed_dim (d_ff = 2048 at 512)
     mlp_hidden_dim: int | None = None  # exact MLP hidden width; None = from mlp_ratio
     attention: str = "sdpa"  # sdpa | math | performer (linformer: non-autoregressive models only)
     attention_options: dict | None = None  # the backend's own options: performer {features, redraw}, linformer {k}
     dropout: float = 0.1  # on embeddings and residual branches (and attention, unless attention_dropout)
     attention_dropout: float | None = None  # None = dropout
-    bias: bool = True
+    bias: bool = True  # biases in linear and norm layers
     share_embeddings: bool = True  # source and target embeddings are one matrix (joint vocabulary)
     tie_embeddings: bool = True  # the output projection is the target embedding matrix
     scale_embeddings: bool = True  # multiply embeddings by sqrt(embed_dim)
     output_bias: bool = False  # a bias on the vocabulary logits (Marian's final_logits_bias)
-    rope_base: float = 10000.0
-    rope_scaling: dict | None = None
-    pad_id: int = 0
-    bos_id: int = 1
-    eos_id: int = 2
-    gradient_checkpointing: bool = False
+    rope_base: float = 10000.0  # RoPE frequency base (position: rope)
+    rope_scaling: dict | None = None  # RoPE frequency scaling, e.g. {type: linear, factor: 2.0}
+    pad_id: int = 0  # the padding token's id (the tokenizer's, filled in by training)
+    bos_id: int = 1  # the id the decoder starts from
+    eos_id: int = 2  # the id that ends a sentence
+    gradient_checkpointing: bool = False  # recompute block activations in backward to save memory
     head_dim: int = field(init=False, default=0)  # derived
     mlp_hidden: int = field(init=False, default=0)  # derived
 

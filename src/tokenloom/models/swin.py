@@ -61,6 +61,9 @@ EMBED_NORM_EPS = 1e-5  # the patch embedding's and the patch merging's LayerNorm
 
 @dataclass
 class SwinConfig:
+    """A Swin Transformer (``model:`` with ``family: swin``): stages of windowed attention with shifted windows and
+    patch merging between them."""
+
     image_size: int | tuple[int, int] = 224  # training image size (H, W); other sizes work too
     patch_size: int = 4  # side of the square patches of the first stage
     in_channels: int = 3  # image channels (1 for MNIST)

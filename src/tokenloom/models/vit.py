@@ -33,6 +33,8 @@ VIT_POSITIONS = ("learned", "sincos2d")
 
 @dataclass
 class ViTConfig:
+    """A Vision Transformer (``model:`` with ``family: vit``): patches, a class token (or mean pooling), blocks."""
+
     image_size: int | tuple[int, int] = 224  # training image size (H, W): learned positions cover its grid
     patch_size: int = 16  # side P of the square patches; H and W must be multiples of it
     in_channels: int = 3  # image channels (1 for MNIST)

@@ -119,6 +119,7 @@ def explicit_training(q: Tensor, keys: int) -> bool:
 @ATTENTION_BACKENDS.register("sdpa")
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
                    dropout_p: float, need_weights: bool) -> tuple[Tensor, None]:
+    """The ``sdpa`` backend: torch's fused ``scaled_dot_product_attention`` (no weights returned)."""
     if explicit_training(q, k.shape[-2]):
         return _explicit_training_attention(q, k, v, attn_mask, is_causal, dropout_p), None
     gqa = q.shape[1] != k.shape[1]
@@ -174,6 +175,7 @@ def attention_probs(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: b
 @ATTENTION_BACKENDS.register("math")
 def math_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
                    dropout_p: float, need_weights: bool) -> tuple[Tensor, Tensor | None]:
+    """The ``math`` backend: softmax(q k^T / sqrt(d) + mask) v written out, so it can return the weights."""
     if q.shape[1] != k.shape[1]:
         v = v.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     probs = _scores(q, k, attn_mask, is_causal).float().softmax(dim=-1).to(q.dtype)

@@ -9,7 +9,12 @@ Datasets (``data.dataset``), all held in memory as uint8 images:
   ``data.test_size`` (360) images, val = the next ``data.val_size`` (180), train = the other 1,257.
 * ``folder``: ``data.dir`` holds ``train/<class>/*.png`` (and optionally ``val/`` and ``test/`` laid out
   the same way), or the class folders directly. Without ``val/``, ``data.val_size`` training images
-  (default 10%) are held out by a permutation seeded by ``data.split_seed``.
+  (default 10%) are held out, without ``test/`` ``data.test_size`` more (default 10%; none when the folder
+  is too small for it), by a permutation seeded by ``data.split_seed``.
+
+The model's ``image_size``, ``in_channels`` and ``num_classes`` come from the data unless the recipe's model
+section pins them: a pinned image size or channel count (where ``data.image_size`` / ``data.in_channels`` are
+unset) is what the images are converted to; a pinned ``num_classes`` must equal the number of classes.
 
 A training batch is ``batch_size`` images of a per-epoch permutation (seeded by ``train.seed`` and the
 epoch, so resuming is exact), augmented on the fly (``data.augment``: random crop, flip, affine jitter,
@@ -23,8 +28,9 @@ channels and normalisation, so ``tokenloom classify`` and ``evaluate`` need noth
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -46,6 +52,8 @@ from ..data.images import (
 )
 from ..errors import ConfigError, DataError
 from ..models.factory import create_model, model_config_from_dict
+from ..models.registry import MODELS
+from ..packaged import where_bundled
 from .losses import cross_entropy, soft_cross_entropy
 from .registry import TASKS, Sharded
 
@@ -55,7 +63,8 @@ DIGITS = [str(i) for i in range(10)]
 
 @dataclass
 class ImageDataConfig:
-    dataset: Literal["mnist", "digits", "folder"] = "mnist"
+    dataset: Literal["mnist", "digits", "folder"] = "mnist"  # the bundled MNIST or 8x8 digits, or a folder of
+    #   class subfolders (train/<class>/, optionally val/ and test/)
     dir: str | None = None  # mnist / digits: default data/mnist, data/digits; folder: required
     image_size: int | list[int] | None = None  # H (= W) or [H, W] the images get; None: the dataset's own
     in_channels: int | None = None  # 1 (grayscale) or 3 (RGB); None: the dataset's own
@@ -63,13 +72,14 @@ class ImageDataConfig:
     #   warning) or refuse
     val_size: int | None = None  # validation images: mnist 5000 (the last training images), digits 180,
     #   folder without val/: 10% of train
-    test_size: int | None = None  # digits only: held-out test images (default 360)
+    test_size: int | None = None  # held-out test images: digits 360, folder without test/: 10% of train (mnist
+    #   has its own)
     split_seed: int = 0  # the permutation of the digits / folder hold-out split
     mean: list[float] | None = None  # per channel, of [0, 1] pixels; None: from the training images
-    std: list[float] | None = None
+    std: list[float] | None = None  # per channel, like mean; None: from the training images
     classes: list[str] | None = None  # class names (recorded by checkpoints); folder: the class folders
     eval_batch_size: int = 500  # images per evaluation batch
-    augment: AugmentConfig = field(default_factory=AugmentConfig)
+    augment: AugmentConfig = field(default_factory=AugmentConfig)  # training-time augmentation (off by default)
 
     def __post_init__(self) -> None:
         check(self.dataset != "folder" or bool(self.dir), "data.dir must name the image folder for dataset 'folder'")
@@ -82,8 +92,9 @@ class ImageDataConfig:
         check(self.in_channels in (None, 1, 3), f"data.in_channels must be 1 or 3, got {self.in_channels}")
         check(self.val_size is None or self.val_size >= 1, f"data.val_size must be >= 1, got {self.val_size}")
         check(self.test_size is None or self.test_size >= 1, f"data.test_size must be >= 1, got {self.test_size}")
-        check(self.test_size is None or self.dataset == "digits",
-              "data.test_size applies to the digits dataset only (mnist and folders have their own test split)")
+        check(self.test_size is None or self.dataset != "mnist",
+              "data.test_size applies to the digits dataset and image folders without test/ (mnist has its own test "
+              "split)")
         check(self.eval_batch_size >= 1, f"data.eval_batch_size must be >= 1, got {self.eval_batch_size}")
         check((self.mean is None) == (self.std is None), "data.mean and data.std go together")
         if self.std is not None:
@@ -103,7 +114,7 @@ def _digits_file(root: Path) -> Path:
     for name in ("digits.csv.gz", "digits.csv"):
         if (root / name).is_file():
             return root / name
-    raise DataError(f"digits data not found: {root}/digits.csv[.gz]")
+    raise DataError(f"digits data not found: {root}/digits.csv[.gz]{where_bundled(root)}")
 
 
 def _folder_splits(data: ImageDataConfig) -> tuple[dict[str, tuple[Tensor, Tensor]], list[str]]:
@@ -120,9 +131,20 @@ def _folder_splits(data: ImageDataConfig) -> tuple[dict[str, tuple[Tensor, Tenso
     for name in ("val", "test"):
         if layout.is_dir() and (root / name).is_dir():
             splits[name] = read_image_folder(root / name, image_size=size, classes=classes, **kwargs)[:2]
-    if "val" not in splits:
-        val, train = holdout_split(len(y), [data.val_size or max(1, len(y) // 10)], data.split_seed)
-        splits["val"] = x[val], y[val]
+    # the splits the folder lacks are held out of its training images: data.val_size / data.test_size, else 10%
+    # each (a test split only where the images leave room for it)
+    held = {name: getattr(data, f"{name}_size") for name in ("val", "test") if name not in splits}
+    sizes = {name: given or max(1, len(y) // 10) for name, given in held.items()}
+    if "test" in sizes and held["test"] is None and sum(sizes.values()) >= len(y):
+        del sizes["test"]  # (no room for a default test split)
+    if sizes and sum(sizes.values()) >= len(y):
+        wanted = " + ".join(f"{size} {name}" for name, size in sizes.items())
+        given = [f"data.{name}_size={held[name]}" for name in sizes if held[name] is not None]
+        raise DataError(f"image folder {root}: its {len(y)} training images cannot give {wanted} images and keep any "
+                        f"for training" + (f" ({', '.join(given)}: set smaller)" if given else ""))
+    if sizes:
+        *parts, train = holdout_split(len(y), list(sizes.values()), data.split_seed)
+        splits.update({name: (x[part], y[part]) for name, part in zip(sizes, parts, strict=True)})
         x, y = x[train], y[train]
     return {"train": (x, y), **splits}, classes
 
@@ -184,10 +206,21 @@ class ImageClassificationTask(Sharded):
               seq_len: int | None, label_smoothing: float, eval_batches: int | None, tokenizer: Any = None,
               seed: int = 0) -> tuple[ImageClassificationTask, nn.Module, None, dict[str, Any]]:
         """The dataset, and the model with ``image_size``, ``in_channels`` and ``num_classes`` taken from it
-        (a value the recipe's model section sets must agree). Returns (task, model, None, model section)."""
+        where the recipe's model section leaves them out. A model ``image_size`` / ``in_channels`` it pins is what
+        the images are converted to (unless ``data.image_size`` / ``data.in_channels`` say otherwise: then they
+        must agree); a pinned ``num_classes`` must equal the data's. Returns (task, model, None, model section)."""
         check(seq_len is None, f"train.seq_len applies to sequence tasks, not image_classification (got {seq_len})")
-        dataset = load_image_dataset(data)
         section = {"family": cls.default_family, **model_section}
+        pinned = {key: section[key] for key in ("image_size", "in_channels")
+                  if section.get(key) is not None and getattr(data, key) is None}
+        if pinned.get("in_channels") not in (None, 1, 3):
+            del pinned["in_channels"]  # not an image mode: refused below as a mismatch
+        if isinstance(pinned.get("image_size"), (list, tuple)):
+            pinned["image_size"] = list(pinned["image_size"])
+        if pinned:
+            data = dataclasses.replace(data, **pinned)
+        dataset = load_image_dataset(data)
+        from_data = []
         for key, value in model_fields(dataset).items():
             given = section.get(key)
             same = given is not None and (image_size_hw(given) == image_size_hw(value) if key == "image_size"
@@ -195,12 +228,35 @@ class ImageClassificationTask(Sharded):
             if given is not None and not same:
                 raise ConfigError(f"model.{key}={given} does not match the data ({value}); leave it out or set "
                                   f"data.{'classes' if key == 'num_classes' else key} to match")
-            section.setdefault(key, value)
-        family, model_config = model_config_from_dict(section)
+            if given is None:
+                section[key] = value
+                from_data.append(key)
+        try:
+            family, model_config = model_config_from_dict(section)
+        except ConfigError as err:
+            if "image_size" not in from_data or not str(err).startswith("model.image_size="):
+                raise
+            h, w = dataset.image_size
+            raise ConfigError(f"{err} (model.image_size is the data's image size, {h}x{w}: set data.image_size to a "
+                              f"size the patches divide and the images are resized to it)") from None
         model = create_model(family, model_config)
         task = cls(dataset, data, batch_size=batch_size, label_smoothing=label_smoothing, eval_batches=eval_batches,
                    seed=seed)
         return task, model, None, section
+
+    @classmethod
+    def model_stand_ins(cls, model: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+        """Until the images are read, an image of one patch stands in for an ``image_size`` the model section leaves
+        to the data (the family's default size would have to be a multiple of the patch size), the family's
+        defaults for ``in_channels`` / ``num_classes`` set to null (left to the data too)."""
+        fields = {f.name: f for f in dataclasses.fields(MODELS.get(model["family"])[0])}
+        stand_ins = {key: fields[key].default for key in ("in_channels", "num_classes")
+                     if key in model and model[key] is None and key in fields}
+        patch = model.get("patch_size", fields["patch_size"].default if "patch_size" in fields else None)
+        if model.get("image_size") is None and "image_size" in fields and isinstance(patch, int) \
+                and not isinstance(patch, bool) and patch >= 1:
+            stand_ins["image_size"] = patch
+        return stand_ins
 
     def checkpoint_data(self) -> dict[str, Any]:
         """What the checkpoint's ``data`` section records beyond the recipe: classes, size, channels, mean/std."""
@@ -256,9 +312,10 @@ class ImageClassificationTask(Sharded):
     # ---- evaluation ---------------------------------------------------------------------------
 
     @torch.no_grad()
-    def logits(self, model: nn.Module, split: str = "val", max_batches: int | None = None) -> tuple[Tensor, Tensor]:
+    def logits(self, model: nn.Module, split: str = "val", max_batches: int | None = None,
+               progress: Callable[[int], object] | None = None) -> tuple[Tensor, Tensor]:
         """(logits (N, K) float32, labels (N,)) of the first ``max_batches`` evaluation batches of a split
-        (None: all of it), without augmentation."""
+        (None: all of it), without augmentation; ``progress`` is called with each batch's number of images."""
         n, size = self.dataset.size(split), self.data.eval_batch_size
         outputs = []
         for i, start in enumerate(range(0, n, size)):
@@ -266,10 +323,16 @@ class ImageClassificationTask(Sharded):
                 break
             indices = torch.arange(start, min(start + size, n))
             outputs.append(predict(model, self.dataset.normalize(self.dataset.pixels(split, indices))).float().cpu())
+            if progress is not None:
+                progress(len(indices))
         if not outputs:
             raise DataError(f"the {split!r} split is empty: nothing to evaluate")
         logits = torch.cat(outputs)
         return logits, self.dataset.labels(split)[:len(logits)]
+
+    def eval_split_batches(self, split: str = "val") -> int:
+        """How many batches :meth:`evaluate` reads from all of ``split`` (``data.eval_batch_size`` images each)."""
+        return -(-self.dataset.size(split) // self.data.eval_batch_size)
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, max_batches: int | None = -1, split: str = "val") -> dict[str, float]:
@@ -295,17 +358,19 @@ def predict(model: nn.Module, images: Tensor) -> Tensor:
 
 
 def classify(model: nn.Module, paths: Sequence[str | Path], data: ImageDataConfig | dict[str, Any], *,
-             mismatch: str = "convert", invert: bool = False) -> Tensor:
+             mismatch: str = "convert", invert: bool = False, progress: Callable[[int], object] | None = None
+             ) -> Tensor:
     """Class probabilities (N, K) of image files, read as the model was trained: converted to its mode
     and size (with one warning; ``mismatch="error"`` refuses instead), optionally inverted (dark digits
-    on light paper for an MNIST model), normalised with the checkpoint's mean/std."""
-    x = read_images(paths, data, mismatch=mismatch, invert=invert)
+    on light paper for an MNIST model), normalised with the checkpoint's mean/std. ``progress`` is called with 1
+    as each image is read."""
+    x = read_images(paths, data, mismatch=mismatch, invert=invert, progress=progress)
     with torch.no_grad():
         return predict(model, x).float().softmax(-1)
 
 
 def read_images(paths: Sequence[str | Path], data: ImageDataConfig | dict[str, Any], *, mismatch: str = "convert",
-                invert: bool = False) -> Tensor:
+                invert: bool = False, progress: Callable[[int], object] | None = None) -> Tensor:
     """Image files -> (N, C, H, W) normalised float32 model inputs, as :func:`classify` reads them."""
     from ..config import from_dict
 
@@ -320,6 +385,8 @@ def read_images(paths: Sequence[str | Path], data: ImageDataConfig | dict[str, A
                                     hint=" (pass --mismatch convert to convert it)")
         images.append(image)
         notes += [f"{Path(path).name}: {', '.join(changes)}"] if changes else []
+        if progress is not None:
+            progress(1)
     if notes:
         warnings.warn(f"{len(notes)} image(s) converted to the model's {size[0]}x{size[1]} "
                       f"{'grayscale' if data.in_channels == 1 else 'RGB'} input ({notes[0]}"

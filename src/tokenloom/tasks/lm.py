@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,10 +88,17 @@ class LMTask(Sharded):
         logits = model(x)  # (B, T, V)
         return cross_entropy(logits, y, label_smoothing=self.label_smoothing), y.numel()
 
+    def eval_split_batches(self, split: str = "val") -> int:
+        """How many batches :meth:`evaluate` reads from the whole of ``split`` (``max_batches=None``)."""
+        windows = max(0, self.dataset.num_tokens(split) - 1) // self.seq_len
+        return -(-windows // (self.batch_size * self.world_size))
+
     @torch.no_grad()
-    def evaluate(self, model: nn.Module, max_batches: int | None = -1, split: str = "val") -> dict[str, float]:
+    def evaluate(self, model: nn.Module, max_batches: int | None = -1, split: str = "val",
+                 progress: Callable[[int], object] | None = None) -> dict[str, float]:
         """``{split}_loss`` (without label smoothing), ``{split}_ppl`` and ``tokens`` over the start of a
-        split: ``max_batches`` windows (-1: the task's ``eval_batches``; None: the whole split)."""
+        split: ``max_batches`` windows (-1: the task's ``eval_batches``; None: the whole split); ``progress`` is
+        called with each batch's number of target tokens."""
         max_batches = self.eval_batches if max_batches == -1 else max_batches
         total, count = 0.0, 0
         # batches of the global batch size: the same windows whatever the number of processes
@@ -100,6 +108,8 @@ class LMTask(Sharded):
             logits = model(x)
             total += cross_entropy(logits, y).item() * y.numel()
             count += y.numel()
+            if progress is not None:
+                progress(y.numel())
         if count == 0:
             raise DataError(f"the {split} split has fewer than {self.seq_len + 1} tokens: nothing to evaluate")
         loss = total / count

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from ..registry import Registry
 
 TASKS: Registry[type] = Registry("task")
@@ -14,6 +16,13 @@ class Sharded:
     means the same for any number of processes."""
 
     rank, world_size = 0, 1
+
+    @classmethod
+    def model_stand_ins(cls, model: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
+        """Values for the model settings this task takes from its data (an image classifier's image size, channels
+        and classes) where the recipe's ``model`` section leaves them out, standing in for the data's until it is
+        read: recipe validation checks the rest of the section with them. (Every task derives from this class.)"""
+        return {}
 
     def shard(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size

@@ -15,7 +15,7 @@ beam search), batching sentences of similar length.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -34,15 +34,17 @@ from ..models.registry import MODELS, decoding_of
 from .losses import cross_entropy
 from .registry import TASKS, Sharded
 
+DEFAULT_BEAM = 5  # translate()'s beam, and the CLI's (translate, evaluate, distill): the README's BLEU is beam 5
+
 
 @dataclass
 class TranslationDataConfig:
     dir: str = "data/multi30k"  # folder holding <split>.<lang> files
-    source_lang: str = "de"
-    target_lang: str = "en"
+    source_lang: str = "de"  # the source files' suffix: <split>.de
+    target_lang: str = "en"  # the target files' suffix: <split>.en
     train: str = "train"  # split names (file stems)
-    valid: str = "val"
-    test: list[str] = field(default_factory=lambda: ["test2016"])
+    valid: str = "val"  # the validation split (val_loss, val_bleu)
+    test: list[str] = field(default_factory=lambda: ["test2016"])  # test splits (tokenloom evaluate --split)
     vocab_size: int = 8000  # joint source/target byte-level BPE
     max_source_len: int = 128  # positions (tokens + EOS); longer training pairs are dropped
     max_target_len: int = 128  # positions (BOS + tokens / tokens + EOS)
@@ -196,6 +198,10 @@ class TranslationTask(Sharded):
 
     # ---- evaluation ---------------------------------------------------------------------------
 
+    def eval_split_batches(self, split: str | None = None) -> int:
+        """How many batches :meth:`evaluate` reads from the whole of ``split`` (default: the validation split)."""
+        return len(self.dataset.batches(split or self.data.valid, self.data.max_tokens, shuffle=False))
+
     @torch.no_grad()
     def evaluate(self, model: nn.Module, max_batches: int | None = -1, split: str | None = None) -> dict[str, float]:
         """``{split}_loss`` (no label smoothing), ``{split}_ppl``, ``{split}_ece`` (expected calibration error of
@@ -283,19 +289,22 @@ def source_batches(encoded: list[list[int]], max_tokens: int, pad_id: int, *, ro
         start = end
 
 
-def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, beam: int = 1,
+def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, beam: int | None = None,
               length_penalty: float = 1.0, max_tokens: int = 4096, max_len_a: float = 1.5, max_len_b: int = 10,
               no_repeat_ngram_size: int = 0, truncate: bool = True, iterations: int | None = None,
-              length_beam: int | None = None, rescorer: nn.Module | None = None) -> list[str]:
-    """Translate ``sentences`` (in order) with an encoder-decoder: greedy (``beam=1``) or beam search; a
-    non-autoregressive model (:mod:`tokenloom.models.nat`) decodes in parallel instead, with the options its kind
-    takes (``NATKind.options``: ``iterations`` for cmlm, ``length_beam`` and ``rescorer`` for nat and cmlm;
-    defaults 10 and 3; see :func:`tokenloom.generation.nat.nat_decode`).
+              length_beam: int | None = None, rescorer: nn.Module | None = None,
+              progress: Callable[[int], object] | None = None) -> list[str]:
+    """Translate ``sentences`` (in order) with an encoder-decoder: beam search with ``beam`` beams (default
+    :data:`DEFAULT_BEAM`, 5, as ``tokenloom translate``; ``beam=1`` is greedy); a non-autoregressive model
+    (:mod:`tokenloom.models.nat`) decodes in parallel instead, with the options its kind takes
+    (``NATKind.options``: ``iterations`` for cmlm, ``length_beam`` and ``rescorer`` for nat and cmlm; defaults 10
+    and 3; see :func:`tokenloom.generation.nat.nat_decode`) and no beam.
 
     Sentences are sorted by length and batched up to ``max_tokens`` source tokens (times the beam); each
     batch generates at most ``max_len_a * source_length + max_len_b`` tokens (capped by the model's
     target limit). A source longer than the model's limit is truncated with a warning (``truncate``) or
     refused with a one-line error. Options of the other kind of model are refused with a one-line error.
+    ``progress``, when given, is called after each batch with the number of sentences it translated.
     """
     from ..generation import GenerationConfig, generate
     from ..generation.nat import nat_decode
@@ -305,6 +314,8 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
         raise ConfigError(f"translation needs an encoder-decoder model, got {type(model).__name__}")
     c = model.config
     parallel = decoding_of(model) == "parallel"
+    if beam is None:
+        beam = 1 if parallel else DEFAULT_BEAM  # a parallel decoding has no beam
     parallel_options = check_decoding_options(model, beam=beam, iterations=iterations, length_beam=length_beam,
                                               rescorer=rescorer)
     ids = special_ids(tokenizer)
@@ -332,6 +343,8 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
                     outputs.append([t for t in tokens if t != ids["pad_id"]])
             for i, tokens in zip(chunk, outputs, strict=True):
                 results[i] = tokenizer.decode(tokens).strip()
+            if progress is not None:
+                progress(len(chunk))
     return results
 
 

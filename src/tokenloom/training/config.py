@@ -12,14 +12,29 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from ..config import apply_overrides, check, check_choice, did_you_mean, from_dict, load_yaml, to_dict
+from ..config import (
+    ConfigProblems,
+    apply_overrides,
+    check,
+    check_choice,
+    did_you_mean,
+    from_dict,
+    gather,
+    load_yaml,
+    raise_problems,
+    to_dict,
+    unique_problems,
+)
 from ..devices import DEVICE
+from ..errors import CheckpointError, ConfigError, DataError
 from ..models.factory import model_config_from_dict
 from ..models.registry import MODELS
+from ..packaged import resolve_recipe, where_bundled
 from ..tasks import TASKS
 from .distributed import BACKENDS, STRATEGIES
 from .schedules import SCHEDULES
@@ -36,8 +51,9 @@ class ScheduledSamplingConfig:
     max(min_teacher, k ** i) (k < 1); ``inverse_sigmoid`` max(min_teacher, k / (k + exp(i / k))); ``none``
     always 1 (plain teacher forcing)."""
 
-    schedule: Literal["none", "linear", "exponential", "inverse_sigmoid"] = "none"
-    k: float = 1000.0
+    schedule: Literal["none", "linear", "exponential", "inverse_sigmoid"] = "none"  # how the teacher-forcing
+    #   probability decays over the steps (none: plain teacher forcing)
+    k: float = 1000.0  # the decay constant of the schedule (exponential: in (0, 1))
     min_teacher: float = 0.75  # never replace more than 1 - min_teacher of the inputs
     sample: bool = False  # replace with a token sampled from the prediction (default: its argmax)
 
@@ -64,6 +80,9 @@ class ScheduledSamplingConfig:
 
 @dataclass
 class TrainConfig:
+    """The ``train:`` section of a recipe: optimisation, schedule, precision, evaluation and checkpoints (every key
+    with its default: the recipe reference, docs/reference/recipes.md)."""
+
     max_steps: int = 2000  # optimizer updates
     batch_size: int = 16  # sequences (images) per micro-batch
     seq_len: int | None = None  # tokens per sequence; None = model.max_seq_len
@@ -147,36 +166,53 @@ TOKENIZER_KEYS = ("eos_token",)
 def check_tokenizer_section(section: Any, where: str = "tokenizer") -> None:
     """A run's (or a checkpoint's) ``tokenizer`` section: ``eos_token``, a token of the vocabulary or null."""
     check(isinstance(section, dict), f"{where} must be a mapping (eos_token: ...), got {section!r}")
+    errors: list[ConfigError] = []
     for key, value in section.items():
-        check(key in TOKENIZER_KEYS, f"unknown key {f'{where}.{key}'!r}{did_you_mean(str(key), TOKENIZER_KEYS)}; "
-                                     f"allowed: {', '.join(TOKENIZER_KEYS)}")
-        check(value is None or isinstance(value, str),
-              f"{where}.{key} must be a token (a string) or null, got {value!r}")
+        if key not in TOKENIZER_KEYS:
+            errors.append(ConfigError(f"unknown key {f'{where}.{key}'!r}{did_you_mean(str(key), TOKENIZER_KEYS)}; "
+                                      f"allowed: {', '.join(TOKENIZER_KEYS)}"))
+        elif not (value is None or isinstance(value, str)):
+            errors.append(ConfigError(f"{where}.{key} must be a token (a string) or null, got {value!r}"))
+    raise_problems(errors)
 
 
 @dataclass
 class RunConfig:
-    task: str = "lm"  # what is trained: lm | translation | image_classification
+    """A whole recipe: ``task``, ``model``, ``data``, ``train`` (and, as checkpoints record them, ``tokenizer`` and
+    ``machine``). Build it with :func:`load_run_config`; validated on creation (a bad key or value is a one-line
+    ``ConfigError`` naming it; several are reported together)."""
+
+    task: str = "lm"  # what is trained: lm | translation | nat_translation | image_classification
     model: dict[str, Any] = field(default_factory=dict)  # model family and its config fields
     data: dict[str, Any] = field(default_factory=dict)  # the task's data section
-    train: TrainConfig = field(default_factory=TrainConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)  # optimiser, schedule, precision, evaluation, checkpoints
     tokenizer: dict[str, Any] = field(default_factory=dict)  # recorded by checkpoints: eos_token
     machine: dict[str, Any] = field(default_factory=dict)  # recorded by checkpoints: the CPU trained on, the precision
     #   asked for and chosen, and why
 
     def __post_init__(self) -> None:
-        check_choice("task", self.task, TASKS)
-        check_tokenizer_section(self.tokenizer)
-        # the family defaults to the task's; vocab_size (in families that have one) comes from the
-        # tokenizer when unset, so a placeholder stands in for it here
-        model = {"family": TASKS.get(self.task).default_family, **self.model}
-        if isinstance(model["family"], str) and model["family"] in MODELS:
-            if "vocab_size" in {f.name for f in dataclasses.fields(MODELS.get(model["family"])[0])}:
-                model.setdefault("vocab_size", 1 << 20)
-        model_config_from_dict(model)  # validates the section; raises ConfigError naming the key
-        from_dict(TASKS.get(self.task).data_config_cls, self.data, prefix="data")
-        check(self.train.scheduled_sampling.schedule == "none" or self.task == "translation",
-              f"train.scheduled_sampling applies to the translation task, not {self.task!r}")
+        """Validate the sections that are plain mappings here (model, data: their dataclasses depend on the task
+        and the family), every problem of them reported together (:class:`~tokenloom.errors.ConfigProblems`)."""
+        errors: list[ConfigError] = []
+        known_task = gather(errors, check_choice, "task", self.task, TASKS)
+        gather(errors, check_tokenizer_section, self.tokenizer)
+        if known_task:
+            task_cls = TASKS.get(self.task)
+            # the family defaults to the task's; vocab_size (in families that have one) comes from the
+            # tokenizer when unset, so a placeholder stands in for it here, as do the settings the task takes from
+            # its data (an image classifier's image_size)
+            model = {"family": task_cls.default_family, **self.model}
+            if isinstance(model["family"], str) and model["family"] in MODELS:
+                if "vocab_size" in {f.name for f in dataclasses.fields(MODELS.get(model["family"])[0])}:
+                    model.setdefault("vocab_size", 1 << 20)
+                stand_ins = task_cls.model_stand_ins(model, self.data)  # (null in the recipe: from the data too)
+                model.update({key: value for key, value in stand_ins.items() if model.get(key) is None})
+            gather(errors, model_config_from_dict, model)  # validates the section; errors name the key
+            gather(errors, from_dict, task_cls.data_config_cls, self.data, prefix="data")
+            gather(errors, check, self.train.scheduled_sampling.schedule == "none" or self.task == "translation",
+                   f"train.scheduled_sampling applies to the translation task, not {self.task!r}")
+        if errors:
+            raise ConfigProblems(errors)  # (also one alone: from_dict then reports it as it is)
 
     @property
     def data_config(self) -> Any:
@@ -187,8 +223,40 @@ class RunConfig:
 
 
 def load_run_config(path: str | Path | dict, overrides: list[str] | None = None) -> RunConfig:
-    """A recipe file (or dict) plus ``key.sub=value`` overrides -> a validated :class:`RunConfig`."""
-    data = load_yaml(path) if not isinstance(path, dict) else copy.deepcopy(path)
+    """A recipe file, the name of a packaged recipe (``shakespeare-char``; an existing file wins) or a dict, plus
+    ``key.sub=value`` overrides -> a validated :class:`RunConfig`."""
+    source = resolve_recipe(path) if not isinstance(path, dict) else None
+    data = load_yaml(source) if source is not None else copy.deepcopy(path)
     apply_overrides(data, overrides)
-    check(isinstance(data.get("model", {}), dict), "model must be a mapping of model fields")
-    return from_dict(RunConfig, data)
+    errors: list[ConfigError] = []
+    if not isinstance(data.get("model", {}), dict):
+        errors.append(ConfigError("model must be a mapping of model fields"))
+        data["model"] = {}
+    try:
+        config = from_dict(RunConfig, data)
+    except ConfigError as err:  # every problem of the recipe in one error, headed with the file's name
+        errors.append(err)
+    sections = list(data)  # the problems in the order of the recipe's sections
+    errors = sorted(unique_problems(errors), key=lambda err: (
+        sections.index(section) if (section := _section_of(str(err))) in sections else len(sections)))
+    raise_problems(errors, str(source) if source is not None else "the recipe")
+    return config
+
+
+def _section_of(message: str) -> str:
+    """The recipe section a problem is in: ``"train.lr must ..."``, ``"unknown key 'train.lr'"`` -> ``"train"``."""
+    match = re.match(r"(?:unknown key ')?(\w+)", message)
+    return match.group(1) if match else ""
+
+
+def check_bundled_paths(config: RunConfig) -> None:
+    """Before a fresh run writes anything: a path of its data section or ``train.init_from`` into the repository's
+    ``data/`` or ``checkpoints/`` that is missing here (a packaged recipe run outside the repository) is a one-line
+    error naming the key, where those folders are and the ``--set`` that points at them."""
+    values: dict[str, Any] = {f"data.{key}": value for key, value in dataclasses.asdict(config.data_config).items()}
+    values["train.init_from"] = config.train.init_from
+    for key, value in values.items():
+        hint = where_bundled(value, key) if isinstance(value, str) and value else ""
+        if hint:
+            kind = CheckpointError if Path(value).parts[0] == "checkpoints" else DataError
+            raise kind(f"{key}: {value} not found{hint}")

@@ -2,13 +2,21 @@
 
 Each maps a step (0-based, the optimizer update about to happen) to a multiplier of the peak
 learning rate. All but ``inverse_sqrt`` warm up linearly over ``warmup_steps`` first.
+
+A schedule is built from the ``train`` keys in :class:`ScheduleSpec` (``schedule``, ``lr``, ``min_lr``,
+``warmup_steps``, ``max_steps``). A checkpoint records that spec, and a resume keeps it: a resume that changes one of
+those keys keeps the first run's schedule (a larger ``max_steps`` still extends the run; the steps past the
+schedule's end run on its continuation, ``min_lr`` for ``cosine`` / ``linear``), and :func:`kept_schedule_notice`
+says so in one line.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, fields
 from functools import partial
+from typing import Any
 
 import torch
 
@@ -62,3 +70,78 @@ def create_scheduler(optimizer: torch.optim.Optimizer, name: str, *, warmup_step
                      min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
     fn = partial(SCHEDULES.get(name), warmup_steps=warmup_steps, max_steps=max_steps, min_ratio=min_ratio)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
+
+
+# the keys that do not shape a schedule's curve (every other key of the spec does)
+UNUSED_KEYS: dict[str, tuple[str, ...]] = {"constant": ("max_steps", "min_lr"), "inverse_sqrt": ("max_steps", "min_lr")}
+FLOOR_AFTER_END = ("cosine", "linear")  # past max_steps these stay at min_lr
+
+
+@dataclass(frozen=True)
+class ScheduleSpec:
+    """What a learning-rate schedule is built from: the ``train`` keys of the same names (``min_lr`` resolved)."""
+
+    schedule: str
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    max_steps: int
+
+    @classmethod
+    def of(cls, train: Any) -> ScheduleSpec:
+        """The spec of a :class:`~tokenloom.training.config.TrainConfig` (or anything with those attributes)."""
+        min_lr = train.min_lr if train.min_lr is not None else train.lr / 10
+        return cls(str(train.schedule), float(train.lr), float(min_lr), int(train.warmup_steps), int(train.max_steps))
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> ScheduleSpec:
+        """The spec a trainer state recorded; ValueError when the record is not one."""
+        kinds = {"schedule": (str,), "lr": (int, float), "min_lr": (int, float), "warmup_steps": (int,),
+                 "max_steps": (int,)}
+        if not isinstance(record, Mapping) or set(record) != set(kinds) or not all(
+                isinstance(record[k], kind) and not isinstance(record[k], bool) for k, kind in kinds.items()):
+            raise ValueError(f"the recorded learning-rate schedule is not one: {record!r:.120}")
+        return cls(record["schedule"], float(record["lr"]), float(record["min_lr"]), record["warmup_steps"],
+                   record["max_steps"])
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def shaping_keys(self) -> tuple[str, ...]:
+        """The keys that shape this schedule's curve (``constant`` and ``inverse_sqrt`` ignore max_steps, min_lr)."""
+        unused = UNUSED_KEYS.get(self.schedule, ())
+        return tuple(f.name for f in fields(self) if f.name not in unused)
+
+    def create(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        return create_scheduler(optimizer, self.schedule, warmup_steps=self.warmup_steps, max_steps=self.max_steps,
+                                min_ratio=self.min_lr / self.lr)
+
+
+def _number(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def kept_schedule_notice(kept: ScheduleSpec, before: ScheduleSpec, now: ScheduleSpec, run: str) -> str | None:
+    """The one line a resume prints when it changes a key that shapes the schedule it keeps, or None.
+
+    ``kept``: the schedule the run trains on (recorded by its first run); ``before``: the keys of the checkpoint
+    resumed (its config.yaml); ``now``: the keys of this resume (config.yaml plus ``--set``)."""
+    parts = []
+    for key in kept.shaping_keys():
+        old, new, used = getattr(before, key), getattr(now, key), getattr(kept, key)
+        if new == old or new == used:  # unchanged by this resume, or set back to the schedule's own value
+            continue
+        if key != "max_steps":
+            parts.append(f"{key} {_number(old)} -> {_number(new)}: the schedule keeps {_number(used)}")
+        elif new < used:
+            parts.append(f"max_steps {old} -> {new}: the run ends at step {new}, before the schedule's end at {used}")
+        elif kept.schedule in FLOOR_AFTER_END:
+            parts.append(f"max_steps {old} -> {new}: steps after {used} run at min_lr {_number(kept.min_lr)}")
+        else:
+            parts.append(f"max_steps {old} -> {new}: steps after {used} continue the {kept.schedule} schedule past "
+                         "its end")
+    if not parts:
+        return None
+    return (f"note: resuming keeps the learning-rate schedule of the first run ({'; '.join(parts)}); to train on a "
+            f"new schedule, start a new run from these weights: tokenloom train RECIPE --out NEW --set "
+            f"train.init_from={run}")

@@ -21,8 +21,10 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
               show_progress: bool | None = None, dist: Distributed = SINGLE) -> Trainer:
     """Tokenizer, data, model and Trainer for ``config`` in ``run_dir``. With ``resume`` the weights,
     tokenizer, optimizer, schedule, RNG states and step come from ``run_dir``'s checkpoint, so the run
-    continues exactly where it stopped. With ``train.init_from`` (fine-tuning) a fresh run starts from
-    another checkpoint's weights and tokenizer, its model settings overridden by the recipe's ``model``.
+    continues exactly where it stopped; the learning-rate schedule stays the one the run started with, whatever
+    ``config.train`` says (a changed key that shapes it: a line in ``trainer.notices``). With ``train.init_from``
+    (fine-tuning) a fresh run starts from another checkpoint's weights and tokenizer, its model settings
+    overridden by the recipe's ``model``.
     Tasks without a tokenizer (``uses_tokenizer = False``: image classification) get None.
 
     Distributed (``dist``): rank 0 prepares the data (and trains the tokenizer) first; the other ranks then
@@ -42,7 +44,11 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
         checkpoint = resolve_checkpoint(t.init_from)
         tokenizer = load_tokenizer(checkpoint) if uses_tokenizer else None
         model_section = {**read_config(checkpoint).get("model", {}), **config.model}
-    check_training_memory(config, model_section)  # before anything is written, prepared or allocated
+    # before anything is written, prepared or allocated; a model whose sizes come from the data (an image
+    # classifier's image_size, ...) once the data has fixed them
+    sized_by_data = task_cls.model_stand_ins({"family": task_cls.default_family, **model_section}, config.data)
+    if not sized_by_data:
+        check_training_memory(config, model_section)
     check_writable(run_dir)  # before any data is prepared or a step is trained
     if t.threads:
         torch.set_num_threads(t.threads)
@@ -55,6 +61,8 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
         **({"scheduled_sampling": t.scheduled_sampling} if t.scheduled_sampling.schedule != "none" else {}))
     if dist.active and dist.is_main:
         dist.broadcast_object(tokenizer)
+    if sized_by_data:  # (every rank: each refuses alike)
+        check_training_memory(config, section)
     if dist.rank:
         torch.manual_seed((t.seed + 1_000_003 * dist.rank) % 2**64)  # this rank's dropout stream (rank 0: seed's)
     if t.activation_checkpointing:

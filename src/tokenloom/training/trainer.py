@@ -22,6 +22,7 @@ import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -31,18 +32,19 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..checkpoint import STATE_FILE, resolve_checkpoint, write_checkpoint
+from ..checkpoint import STATE_FILE, read_config, resolve_checkpoint, write_checkpoint
 from ..devices import peak_memory, to_device, training_device
 from ..errors import CheckpointError, TrainingError
 from ..hardware import choose_precision, machine
+from ..metric_scope import scope_fields, scoped_name
 from ..nn.modes import eval_mode
 from . import distributed
 from .compile import CompiledForward
-from .config import RunConfig
+from .config import RunConfig, TrainConfig
 from .distributed import SINGLE, Distributed
 from .optim import create_optimizer, load_named_optimizer_state, named_optimizer_state
 from .precision import MasterWeights, autocast
-from .schedules import create_scheduler
+from .schedules import ScheduleSpec, kept_schedule_notice
 
 HISTORY_DIR = "history"  # <run>/history/step-NNNNNNNN: earlier checkpoints (train.keep_checkpoints > 1)
 METRICS_FILE = "metrics.jsonl"  # <run>/metrics.jsonl: one JSON object a line, each with the step it was logged at
@@ -99,7 +101,21 @@ def _before_checkpoint(line: bytes, step: int) -> bool:
     return logged < step or (logged == step and "skipped" not in record)
 
 
+def _schedule_of_config(train: dict[str, Any]) -> ScheduleSpec:
+    """The schedule a checkpoint's config.yaml ``train`` section builds (a key it lacks takes its default)."""
+    if not isinstance(train, dict):
+        raise ValueError(f"the checkpoint's train section is not a mapping: {train!r:.80}")
+    default = TrainConfig()
+    keys = {key: train.get(key, getattr(default, key)) for key in ("schedule", "lr", "warmup_steps", "max_steps")}
+    keys["min_lr"] = train.get("min_lr")
+    return ScheduleSpec.of(SimpleNamespace(**keys))
+
+
 class Trainer:
+    """One training loop for every task: AdamW, warmup and decay, clipping, accumulation, mixed precision,
+    evaluation, checkpoints that resume exactly, several processes. Made by :func:`tokenloom.training.setup.setup_run`;
+    :meth:`fit` trains, :meth:`evaluate` measures the validation split as the recipe's ``train.eval_batches`` asks."""
+
     def __init__(self, config: RunConfig, model: nn.Module, task: Any, run_dir: str | Path, *,
                  tokenizer: Any = None, model_section: dict[str, Any] | None = None,
                  show_progress: bool | None = None, dist: Distributed = SINGLE) -> None:
@@ -141,8 +157,8 @@ class Trainer:
         self.master = MasterWeights(model) if t.precision == "bf16" and not self.fsdp else None
         params = self.master.masters if self.master else model
         self.optimizer = create_optimizer(params, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas))
-        self.scheduler = create_scheduler(self.optimizer, t.schedule, warmup_steps=t.warmup_steps,
-                                          max_steps=t.max_steps, min_ratio=t.min_lr / t.lr)
+        self.schedule_spec = ScheduleSpec.of(t)  # a resume replaces it by the run's recorded one (load_state)
+        self.scheduler = self.schedule_spec.create(self.optimizer)
         # fp16 (CUDA): losses scaled so small gradients survive float16; an overflowing step is skipped (counted with
         # the non-finite ones) and the scale lowered
         self.scaler = torch.amp.GradScaler(self.device.type) if t.precision == "fp16" else None
@@ -157,6 +173,8 @@ class Trainer:
         self.nonfinite_steps = 0  # updates skipped for a NaN/Inf loss or gradient, over the whole run
         self.nonfinite_streak = 0  # ... in a row, up to now
         self._stop_requested = False
+        self.notices: list[str] = []  # one-line notes for the user (a resume that keeps the run's schedule)
+        self._scope: dict[str, int] | None = None  # how much of the validation split an evaluation reads
 
     # -- checkpoints --------------------------------------------------------------------------
     @property
@@ -193,6 +211,7 @@ class Trainer:
                 "step": self.step,
                 "optimizer": optimizer,
                 "scheduler": self.scheduler.state_dict(),
+                "schedule": self.schedule_spec.as_dict(),  # what it was built from: every resume keeps it
                 "generator": self.generator.get_state(),
                 "torch_rng": rngs[0]["torch"],  # rank 0's (the single-process layout)
                 "numpy_rng": rngs[0]["numpy"],
@@ -322,6 +341,7 @@ class Trainer:
         try:
             state = _load_state_file(path)
             self._check_world(state)
+            self._keep_schedule(state, path.parent)  # before the optimizer's state (a new scheduler sets its lr)
             if self.fsdp:
                 optimizer = named_optimizer_state(self.optimizer, self._param_names(), state["optimizer"])
                 distributed.load_sharded_optimizer(self.wrapper, self.optimizer, optimizer)
@@ -355,6 +375,19 @@ class Trainer:
         except (RuntimeError, KeyError, ValueError, EOFError, TypeError, IndexError) as err:
             raise CheckpointError(f"{path} is truncated or corrupt ({(str(err).splitlines() or [repr(err)])[0]})") \
                 from None
+
+    def _keep_schedule(self, state: dict[str, Any], checkpoint: Path) -> None:
+        """A resume trains on the learning-rate schedule the run started with, whatever this resume's ``train``
+        keys say: the one its trainer state records (in checkpoints older than that record, the one built from the
+        checkpoint's config.yaml). A change of a key that shapes it adds a line to :attr:`notices`."""
+        before = _schedule_of_config(read_config(checkpoint).get("train") or {})
+        kept = ScheduleSpec.from_record(state["schedule"]) if state.get("schedule") is not None else before
+        if kept == self.schedule_spec:
+            return
+        notice = kept_schedule_notice(kept, before, self.schedule_spec, str(self.run_dir))
+        if notice is not None:
+            self.notices.append(notice)
+        self.schedule_spec, self.scheduler = kept, kept.create(self.optimizer)
 
     def _check_world(self, state: dict[str, Any]) -> None:
         """Resuming with another number of processes: the data position, schedule and step count are in updates
@@ -419,15 +452,25 @@ class Trainer:
             os.replace(tmp, path)
 
     def evaluate(self) -> dict[str, float]:
-        """Every rank evaluates the whole validation set (identical results); rank 0 logs."""
+        """The first ``train.eval_batches`` batches of the validation split, which every rank evaluates (identical
+        results); rank 0 logs. The metrics carry how much of the split they cover (``eval_batches``,
+        ``eval_split_batches``: :mod:`tokenloom.metric_scope`)."""
         gathered = distributed.unsharded(self.wrapper) if self.fsdp else contextlib.nullcontext()
         with eval_mode(self.model), autocast(self.config.train.precision, self.device.type), torch.no_grad(), gathered:
             metrics = self.task.evaluate(self.model)
         metrics.pop("tokens", None)
+        metrics.update(self._eval_scope())
         self.last_eval = metrics
         self._log({"step": self.step, **metrics})
         self._keep_best(metrics)
         return metrics
+
+    def _eval_scope(self) -> dict[str, int]:
+        """The batches an evaluation reads and (tasks that count them) the validation split's, counted once."""
+        if self._scope is None:
+            count = getattr(self.task, "eval_split_batches", None)
+            self._scope = scope_fields(self.config.train.eval_batches, count() if count is not None else None)
+        return self._scope
 
     @contextlib.contextmanager
     def _graceful_interrupt(self) -> Iterator[None]:
@@ -614,7 +657,8 @@ class Trainer:
                     metrics = self.evaluate()
                     if self.dist.is_main:
                         shown = {k: v for k, v in metrics.items() if k.startswith("val_") and not k.endswith("ppl")}
-                        bar.write(f"step {self.step}: " + "  ".join(f"{k} {v:.4f}" for k, v in shown.items()))
+                        bar.write(f"step {self.step}: " + "  ".join(f"{scoped_name(k, metrics)} {v:.4f}"
+                                                                    for k, v in shown.items()))
                 if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.max_steps:
                     self.save()
                 interrupted, out_of_time = self._agree(

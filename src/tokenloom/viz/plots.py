@@ -14,6 +14,7 @@ from typing import Any
 from torch import Tensor
 
 from ..errors import ConfigError
+from ..metric_scope import scoped_name
 
 MAX_LABELS = 48  # token labels drawn on an axis at most (longer sequences: every k-th)
 
@@ -159,10 +160,11 @@ def plot_curves(runs: dict[str, list[dict]], path: str | Path, x: str = "step") 
                 if points:
                     xs, ys = zip(*points, strict=True)
                     val = key.startswith("val_")
+                    shown = scoped_name(key, next(r for r in reversed(rows) if key in r))  # val_loss[whole split]
                     ax.plot(xs, ys, color=colors[n % len(colors)],
                             linestyle="--" if val else styles[(n // len(colors)) % len(styles)],
                             marker="o" if val else None, markersize=3,
-                            label=f"{name} {key}" if len(keys) > 1 and not many else name)
+                            label=f"{name} {shown}" if len(keys) > 1 and not many else name)
         ax.set_xlabel(x)
         ax.set_ylabel(label)
         if label == "learning rate":
@@ -176,7 +178,8 @@ def plot_curves(runs: dict[str, list[dict]], path: str | Path, x: str = "step") 
             for handle, name in zip(*ax.get_legend_handles_labels(), strict=True):
                 handles.setdefault(name, handle)
         fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=columns, fontsize=7,
-                   frameon=False, title="solid: train, dashed: validation", title_fontsize=7)
+                   frameon=False, title="solid: train, dashed: validation (first train.eval_batches batches)",
+                   title_fontsize=7)
         fig.tight_layout(rect=(0, (0.25 + 0.2 * legend_rows) / height, 1, 1))
     else:
         fig.tight_layout()
