@@ -1,4 +1,4 @@
-"""Every README command block marked ``<!-- quick -->`` runs, in order, as a new user would type it on a fresh clone.
+"""Every README (and docs/python.md) block marked ``<!-- quick -->`` runs, in order, as a new user would type it on a fresh clone.
 
 The commands run in a sandbox laid out like the repository (recipes, bundled checkpoints and scripts copied; the
 corpora cut to a few hundred lines, so the recipes train in seconds), with ``tokenloom train`` shrunk by ``--set``
@@ -23,6 +23,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
+PAGES = [README, ROOT / "docs" / "python.md"]  # the pages whose quick blocks run, in this order
 MARK = "<!-- quick -->"
 BIN = Path(sys.executable).parent
 
@@ -178,7 +179,7 @@ def test_quick_blocks_parse_commands_continuations_and_optional_parts():
 
 
 def test_every_quick_readme_command_runs_on_a_fresh_clone(sandbox):
-    blocks = quick_blocks(README.read_text(encoding="utf-8"))
+    blocks = [block for page in PAGES for block in quick_blocks(page.read_text(encoding="utf-8"))]
     text = " ".join(c for _, block in blocks for c in block)
     if "path/to/hf-model" in text:
         _hf_model(sandbox / "path/to/hf-model")
