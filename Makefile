@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 
-.PHONY: docs install demo test test-kernels test-fuzz test-all wheel-test lint bench clean
+.PHONY: docs install demo test test-kernels test-fuzz test-all wheel-test lint bench tour-figures clean
 
 install: $(VENV)/.installed
 
@@ -63,6 +63,11 @@ lint: install
 bench: install
 	$(PY) benchmarks/bench_train.py
 	$(PY) benchmarks/bench_generate.py
+
+# The guided tour's figures and numbers (docs/tour.md): docs/images/tour/*.png and tour-figures.json, from the bundled
+# checkpoints and small runs in runs/tour (15-20 minutes on 2 cores; --only NAME[,NAME] for some sections).
+tour-figures: install
+	$(PY) scripts/tour_figures.py
 
 clean:
 	rm -rf runs build dist src/*.egg-info .pytest_cache
