@@ -1,4 +1,5 @@
-"""Every README (and docs/python.md) block marked ``<!-- quick -->`` runs, in order, as a new user would type it on a fresh clone.
+"""Every README (and docs/python.md) block marked ``<!-- quick -->`` runs, in order, as a new user would type it on a
+fresh clone.
 
 The commands run in a sandbox laid out like the repository (recipes, bundled checkpoints and scripts copied; the
 corpora cut to a few hundred lines, so the recipes train in seconds), with ``tokenloom train`` shrunk by ``--set``
