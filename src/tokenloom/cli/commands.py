@@ -273,7 +273,7 @@ def evaluate(args: argparse.Namespace) -> int:
     from ..data.text import TextDataset
     from ..tasks import LMTask
 
-    for name in ("batch_size", "batches"):
+    for name in ("batch_size", "batches", "stride"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -291,6 +291,9 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.metrics or args.source or args.reference:
         raise ConfigError("--metrics, --source and --reference apply to translation models; a language model "
                           "reports loss and perplexity")
+    seq_len = (config.get("train") or {}).get("seq_len") or (config.get("model") or {}).get("max_seq_len")
+    if args.stride is not None and seq_len and args.stride > seq_len:
+        raise ConfigError(f"--stride must be at most the model's window of {seq_len} tokens, got {args.stride}")
     model, _ = load_inference_model(ckpt, args.precision, args.device)
     tokenizer = load_tokenizer(ckpt)
     data = config.get("data") or {}
@@ -301,15 +304,19 @@ def evaluate(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="tokenloom-eval-") as tmp:
         dataset = TextDataset.prepare(path, tokenizer, tmp, val_fraction=data.get("val_fraction", 0.1))
         task = LMTask(dataset, batch_size=args.batch_size or 16, seq_len=seq_len)
-        windows = (dataset.num_tokens(args.split) - 1) // seq_len  # the split's whole windows of seq_len tokens
+        targets = dataset.num_tokens(args.split) - 1
+        windows = targets // seq_len  # the split's whole windows of seq_len tokens
         if args.batches is not None:
             windows = min(windows, args.batches * task.batch_size)
+        expected = (targets if args.stride is not None and args.batches is None else windows * seq_len) or None
         start = time.perf_counter()
-        with progress("evaluate", windows * seq_len if windows > 0 else None, "evaluated", "token") as done:
-            metrics = task.evaluate(model, max_batches=args.batches, split=args.split, progress=done)
+        with progress("evaluate", expected if windows > 0 else None, "evaluated", "token") as done:
+            metrics = task.evaluate(model, max_batches=args.batches, split=args.split, progress=done,
+                                    stride=args.stride)
         seconds = time.perf_counter() - start
     tokens = metrics.pop("tokens", None)
-    result = {"checkpoint": str(ckpt), "data": str(path), "split": args.split, **metrics,
+    result = {"checkpoint": str(ckpt), "data": str(path), "split": args.split,
+              **({"window": seq_len, "stride": args.stride} if args.stride is not None else {}), **metrics,
               "seconds": round(seconds, 2)}
     if tokens:
         result["tokens"] = tokens

@@ -106,6 +106,10 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
                    "data (val, test2016, ...); image: train | val | test")
     p.add_argument("--batches", type=int, default=None, help="lm, image: at most this many batches (default: the "
                    "whole split)")
+    p.add_argument("--stride", type=int, default=None, metavar="N",
+                   help="lm: strided (sliding-window) perplexity: windows of the model's context advancing by N "
+                        "tokens, each scoring only its new tokens, so every token has at least context - N tokens "
+                        "before it (default: non-overlapping windows)")
     p.add_argument("--batch-size", type=int, default=None, help="lm: sequences per batch (16); image: images per "
                    "batch (the recipe's data.eval_batch_size)")
     p.add_argument("--metrics", nargs="+", default=None, metavar="NAME",

@@ -214,6 +214,32 @@ class TextDataset:
             num_batches = min(num_batches, max(0, max_batches))
         return self._iter(split, batch_size, seq_len, num_windows, num_batches)
 
+    def iter_strided(self, split: str, batch_size: int, seq_len: int, stride: int,
+                     max_batches: int | None = None) -> Iterator[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Overlapping windows for strided (sliding-window) evaluation: windows of ``seq_len`` tokens starting
+        every ``stride`` tokens (the last one moved back to end at the split's end), each scoring only the targets
+        no earlier window scored: all of the first window's, then its last ``stride`` (fewer at the end). So every
+        target of the split is scored exactly once, each with at least ``seq_len - stride`` tokens of context
+        (all before it, near the start). ``stride == seq_len`` is :meth:`iter_batches` plus the split's tail.
+        Yields x, y (B, T) and ``scored`` (B, T) bool."""
+        _check_sizes(batch_size, seq_len)
+        if not 1 <= stride <= seq_len:
+            raise DataError(f"stride must be in [1, seq_len={seq_len}], got {stride}")
+        targets = self._need(split, seq_len) - 1
+        starts = list(range(0, targets - seq_len + 1, stride))
+        if starts[-1] + seq_len < targets:
+            starts.append(targets - seq_len)  # the tail, in a window that ends at the split's end
+        first_new = [0] + [prev + seq_len - start for prev, start in zip(starts, starts[1:], strict=False)]
+        num_batches = -(-len(starts) // batch_size)
+        if max_batches is not None:
+            num_batches = min(num_batches, max(0, max_batches))
+        positions = np.arange(seq_len)
+        for b in range(num_batches):
+            rows = slice(b * batch_size, (b + 1) * batch_size)
+            x, y = self._windows(split, np.asarray(starts[rows], dtype=np.int64), seq_len)
+            scored = torch.from_numpy(positions[None, :] >= np.asarray(first_new[rows])[:, None])
+            yield x, y, scored
+
     def _iter(self, split: str, batch_size: int, seq_len: int, num_windows: int,
               num_batches: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
         for b in range(num_batches):

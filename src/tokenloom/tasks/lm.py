@@ -95,21 +95,31 @@ class LMTask(Sharded):
 
     @torch.no_grad()
     def evaluate(self, model: nn.Module, max_batches: int | None = -1, split: str = "val",
-                 progress: Callable[[int], object] | None = None) -> dict[str, float]:
+                 progress: Callable[[int], object] | None = None, stride: int | None = None) -> dict[str, float]:
         """``{split}_loss`` (without label smoothing), ``{split}_ppl`` and ``tokens`` over the start of a
         split: ``max_batches`` windows (-1: the task's ``eval_batches``; None: the whole split); ``progress`` is
-        called with each batch's number of target tokens."""
+        called with each batch's number of target tokens. With ``stride`` the windows overlap, advancing by
+        ``stride`` tokens and scoring only the new ones (the sliding-window perplexity of a causal LM,
+        :meth:`TextDataset.iter_strided`: every token scored once, with at least ``seq_len - stride`` of context)."""
         max_batches = self.eval_batches if max_batches == -1 else max_batches
         total, count = 0.0, 0
         # batches of the global batch size: the same windows whatever the number of processes
         device = device_of(model)
-        for x, y in self.dataset.iter_batches(split, self.batch_size * self.world_size, self.seq_len, max_batches):
+        rows = self.batch_size * self.world_size
+        if stride is None:
+            batches = ((x, y, None) for x, y in self.dataset.iter_batches(split, rows, self.seq_len, max_batches))
+        else:
+            batches = self.dataset.iter_strided(split, rows, self.seq_len, stride, max_batches)
+        for x, y, scored in batches:
             x, y = x.to(device), y.to(device)
             logits = model(x)
-            total += cross_entropy(logits, y).item() * y.numel()
-            count += y.numel()
+            if scored is not None:  # strided: the targets an earlier window scored are left out (ignore_index)
+                y = y.masked_fill(~scored.to(device), -100)
+            n = y.numel() if scored is None else int(scored.sum())
+            total += cross_entropy(logits, y).item() * n
+            count += n
             if progress is not None:
-                progress(y.numel())
+                progress(n)
         if count == 0:
             raise DataError(f"the {split} split has fewer than {self.seq_len + 1} tokens: nothing to evaluate")
         loss = total / count
