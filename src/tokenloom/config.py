@@ -33,12 +33,16 @@ from .registry import closest, did_you_mean
 T = TypeVar("T")
 
 
-def _type_name(tp: Any) -> str:
+def type_name(tp: Any) -> str:
+    """A type hint as messages and the recipe reference show it: ``int or null``, ``list[float]``,
+    ``one of 'a', 'b'``."""
     origin = get_origin(tp)
     if origin is Literal:
         return "one of " + ", ".join(repr(a) for a in get_args(tp))
     if origin in (Union, types.UnionType):
-        return " or ".join(_type_name(a) for a in get_args(tp))
+        return " or ".join(type_name(a) for a in get_args(tp))
+    if origin in (list, tuple, dict) and get_args(tp):
+        return f"{origin.__name__}[{', '.join(type_name(a) for a in get_args(tp) if a is not Ellipsis)}]"
     if tp is type(None):
         return "null"
     return getattr(tp, "__name__", str(tp))
@@ -99,7 +103,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 #   mapping with several problems of the dataclass it is given for
             except ConfigError as err:
                 errors.append(err)
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{where}: expected {type_name(tp)}, got {value!r}")
     if tp is type(None):
         if value is None:
             return None
@@ -144,7 +148,7 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             return value
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise ConfigError(f"{where}: expected {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    raise ConfigError(f"{where}: expected {type_name(tp)}, got {value!r} ({type(value).__name__})")
 
 
 def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:

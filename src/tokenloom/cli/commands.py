@@ -291,9 +291,6 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.metrics or args.source or args.reference:
         raise ConfigError("--metrics, --source and --reference apply to translation models; a language model "
                           "reports loss and perplexity")
-    seq_len = (config.get("train") or {}).get("seq_len") or (config.get("model") or {}).get("max_seq_len")
-    if args.stride is not None and seq_len and args.stride > seq_len:
-        raise ConfigError(f"--stride must be at most the model's window of {seq_len} tokens, got {args.stride}")
     model, _ = load_inference_model(ckpt, args.precision, args.device)
     tokenizer = load_tokenizer(ckpt)
     data = config.get("data") or {}
@@ -301,6 +298,8 @@ def evaluate(args: argparse.Namespace) -> int:
         raise ConfigError(f"{ckpt} records no training data (an imported checkpoint?): pass --data FILE")
     path = Path(args.data or data["path"])
     seq_len = (config.get("train") or {}).get("seq_len") or model.config.max_seq_len
+    if args.stride is not None and args.stride > seq_len:
+        raise ConfigError(f"--stride must be at most the model's window of {seq_len} tokens, got {args.stride}")
     with tempfile.TemporaryDirectory(prefix="tokenloom-eval-") as tmp:
         dataset = TextDataset.prepare(path, tokenizer, tmp, val_fraction=data.get("val_fraction", 0.1))
         task = LMTask(dataset, batch_size=args.batch_size or 16, seq_len=seq_len)

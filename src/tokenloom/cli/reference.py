@@ -20,10 +20,11 @@ import io
 import os
 import textwrap
 import tokenize
-import types
 import typing
 from collections.abc import Iterator
 from typing import Any
+
+from ..config import type_name
 
 
 def field_comments(cls: type) -> dict[str, str]:
@@ -65,21 +66,6 @@ def _comments_in(source: str) -> dict[str, str]:
                         and tokens[i + 1].string == ":")
             current, in_statement = (tok.string if is_field else None), True
     return found
-
-
-def _type(tp: Any) -> str:
-    """A type hint as the page shows it: ``int or null``, ``list[float]``, ``one of 'a', 'b'``."""
-    origin = typing.get_origin(tp)
-    if origin in (list, tuple, dict) and typing.get_args(tp):
-        args = [a for a in typing.get_args(tp) if a is not Ellipsis]
-        return f"{origin.__name__}[{', '.join(_type(a) for a in args)}]"
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type(a) for a in typing.get_args(tp))
-    if origin is typing.Literal:
-        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
-    if tp is type(None):
-        return "null"
-    return getattr(tp, "__name__", str(tp))
 
 
 def _default(f: dataclasses.Field) -> Any:
@@ -126,7 +112,7 @@ def _rows(cls: type, section: str, path: str) -> Iterator[FieldRow]:
         if not f.init:
             continue  # derived (field(init=False)): not a key a recipe sets
         tp, key = hints[f.name], f"{path}.{f.name}" if path else f.name
-        yield FieldRow(section, key, _type(tp), _shown_default(_default(f)), comments.get(f.name, ""))
+        yield FieldRow(section, key, type_name(tp), _shown_default(_default(f)), comments.get(f.name, ""))
         if dataclasses.is_dataclass(tp) and path:  # (the top level's train: is a section of its own)
             nested.append((tp, key))
     for tp, where in nested:
