@@ -58,10 +58,16 @@ def check_prompt(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | N
             shown = ", ".join(str(i) for i in bad[:10].tolist()) + (", ..." if bad.numel() > 10 else "")
             raise GenerationError(f"prompt holds token ids outside the vocabulary [0, {vocab}): {shown}")
     context = getattr(model_config, "max_seq_len", None)
-    if context is not None and T + max_new_tokens > context:
+    # a sliding-window model whose positions extrapolate has no limit (max_positions None)
+    limit = getattr(model_config, "max_positions", context)
+    if limit is not None and T + max_new_tokens > limit:
+        hint = "shorten the prompt or lower max_new_tokens"
+        if getattr(model_config, "attention_window", None):
+            hint += f"; position {model_config.position!r} has a table of {limit} positions"
+        else:
+            hint = "no sliding window: " + hint
         raise GenerationError(f"prompt of {T} tokens + max_new_tokens={max_new_tokens} = {T + max_new_tokens} "
-                              f"positions exceeds the model's context of {context} (no sliding window: shorten "
-                              "the prompt or lower max_new_tokens)")
+                              f"positions exceeds the model's context of {limit} ({hint})")
     return mask
 
 

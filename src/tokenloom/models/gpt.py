@@ -27,13 +27,14 @@ from torch.utils.checkpoint import checkpoint
 from ..config import check
 from ..errors import GenerationError
 from ..nn import POSITIONS, KVCache, create_block, create_norm
-from ..nn.attention import Context
+from ..nn.attention import Context, capturing
 from ..nn.block import StepFunctions, step_functions
 from ..nn.dropout import Dropout
-from ..nn.kv_cache import DecodeCache
+from ..nn.kv_cache import DecodeCache, RollingKVCache
 from ..nn.masks import attention_mask as attention_mask_for
 from ..nn.masks import positions_from_mask, sequence_span
-from .options import attention_options, check_block_options, from_preset
+from ..nn.sliding import Band, Window
+from .options import attention_options, check_block_options, check_window_options, from_preset
 from .registry import MODELS, declare_decoding
 
 
@@ -57,6 +58,10 @@ class GPTConfig:
     mlp_hidden_dim: int | None = None  # exact MLP hidden width (swiglu: gate/up width); None = from mlp_ratio
     attention: str = "sdpa"  # attention backend: sdpa (fused) | math (explicit, can return weights) | performer
     attention_options: dict | None = None  # the backend's own options: performer {features, redraw}, linformer {k}
+    attention_window: int | None = None  # sliding window: each position sees itself and the W - 1 before it
+    #   (Mistral's sliding_window); None = the whole context. Decoding keeps a rolling cache of W positions, and
+    #   with a position scheme that extrapolates (rope, alibi, t5, none) runs past max_seq_len
+    attention_global: int = 0  # with a window: the first k positions stay visible to every query (attention sinks)
     dropout: float = 0.0  # dropout on embeddings, attention probabilities and residual branches
     attention_dropout: float | None = None  # dropout on attention probabilities; None = dropout (on CPU the
     #   random masks over (B, H, T, T) probabilities can cost a third of a training step)
@@ -67,12 +72,17 @@ class GPTConfig:
     rope_scaling: dict | None = None  # RoPE frequency scaling, e.g. {type: linear, factor: 2.0}; also llama3, yarn
     head_dim: int = field(init=False, default=0)  # derived: embed_dim // num_heads
     mlp_hidden: int = field(init=False, default=0)  # derived: the MLP hidden width the model builds
+    max_positions: int | None = field(init=False, default=None)  # derived: the most positions a sequence may
+    #   reach, max_seq_len, or None where a window lets a position scheme that extrapolates run past it
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "num_layers", "num_heads", "embed_dim", "max_seq_len"):
             value = getattr(self, name)
             check(value >= 1, f"{name} must be a positive integer, got {value}")
         check_block_options(self)
+        check_window_options(self)
+        extrapolates = POSITIONS.get(self.position).extrapolates
+        self.max_positions = None if self.attention_window is not None and extrapolates else self.max_seq_len
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> GPTConfig:
@@ -121,6 +131,7 @@ class GPT(nn.Module):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * c.num_layers))
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_embed.weight
+        self.window = Window(c.attention_window, True, c.attention_global) if c.attention_window else None
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -138,12 +149,22 @@ class GPT(nn.Module):
         return n
 
     def create_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
-                     device: torch.device | str | None = None) -> KVCache:
-        """A preallocated cache for ``batch_size`` sequences of up to ``max_len`` (default: max_seq_len)."""
+                     device: torch.device | str | None = None,
+                     rolling: bool | None = None) -> KVCache | RollingKVCache:
+        """A preallocated cache for ``batch_size`` sequences of up to ``max_len`` (default: max_seq_len). A model
+        with an ``attention_window`` gets a :class:`~tokenloom.nn.kv_cache.RollingKVCache` of the window's
+        positions where ``max_len`` is longer than that (``rolling=False``: always the dense one, e.g. for a
+        server's ragged rows; ``rolling=True``: always the rolling one)."""
         c = self.config
         ref = self.tok_embed.weight
-        return KVCache(c.num_layers, batch_size, c.num_kv_heads or c.num_heads, max_len or c.max_seq_len,
-                       c.head_dim, dtype=dtype or ref.dtype, device=device or ref.device)
+        dtype, device = dtype or ref.dtype, device or ref.device
+        max_len = max_len or c.max_seq_len
+        window = self.window
+        if window is not None and (rolling or (rolling is None and max_len > window.size + window.globals)):
+            return RollingKVCache(c.num_layers, batch_size, c.num_kv_heads or c.num_heads, window.size,
+                                  window.globals, c.head_dim, dtype=dtype, device=device, limit=c.max_positions)
+        return KVCache(c.num_layers, batch_size, c.num_kv_heads or c.num_heads, max_len, c.head_dim, dtype=dtype,
+                       device=device)
 
     def forward_features(self, input_ids: Tensor, *, positions: Tensor | None = None,
                          attention_mask: Tensor | None = None, cache: DecodeCache | None = None,
@@ -165,10 +186,14 @@ class GPT(nn.Module):
         """:meth:`forward_features` with the step functions looked up (None: the modules run)."""
         B, T = input_ids.shape
         span = cache.span(T, attention_mask) if cache is not None else sequence_span(T, attention_mask)
-        if span.past is not None:
-            limit = min(self.config.max_seq_len, cache.max_len if cache is not None else self.config.max_seq_len)
-            if span.keys > limit:
-                raise GenerationError(f"sequence of {span.keys} positions exceeds the model's context of {limit}")
+        if span.extent is not None:
+            capacity = cache.max_len if cache is not None else None
+            limits = [n for n in (self.config.max_positions, capacity) if n is not None]
+            if limits and span.extent > min(limits):
+                raise GenerationError(f"sequence of {span.extent} positions exceeds the model's context of "
+                                      f"{min(limits)}")
+            if span.extent > self.config.max_seq_len:
+                self.position.reserve(span.extent)
         device = input_ids.device
         if positions is None:
             if span.past is None:
@@ -186,8 +211,12 @@ class GPT(nn.Module):
             x = self.embed_dropout(x)
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") and device.type == "cpu" \
             else x.dtype
-        mask, is_causal = attention_mask_for(span, T, causal=True, position=position, dtype=dtype, device=device)
-        ctx = Context(mask, is_causal, position.rotary(positions), ragged=span.ragged)
+        band = None
+        if self.window is not None and span.past == 0 and not need_weights and not capturing():
+            band = Band.plan(self.window, T, valid=span.valid, position=position, dtype=dtype, device=device)
+        mask, is_causal = (None, False) if band is not None else attention_mask_for(
+            span, T, causal=True, position=position, window=self.window, dtype=dtype, device=device)
+        ctx = Context(mask, is_causal, position.rotary(positions), ragged=span.ragged, band=band)
         layers = cache.layers if cache is not None else [None] * len(self.blocks)
         if steps is not None:
             x = x.view(B, -1)  # (B, C): the step functions take one position per row

@@ -77,6 +77,24 @@ def check_block_options(config: Any, causal: bool = True) -> None:
 LINEAR_ATTENTION = ("performer", "linformer")
 
 
+def check_window_options(config: Any) -> None:
+    """``attention_window`` (None or a positive number of positions) and ``attention_global`` (0 .. the window;
+    only with a window); a window needs an exact softmax backend (sdpa or math: the linear-time ones attend
+    globally by construction). A window of at least ``max_seq_len`` attends to the whole context (as full
+    attention would) and only limits decoding past it."""
+    window, extra = config.attention_window, config.attention_global
+    check(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
+          f"attention_window must be a positive integer or null, got {window!r}")
+    check(isinstance(extra, int) and not isinstance(extra, bool) and extra >= 0,
+          f"attention_global must be a non-negative integer, got {extra!r}")
+    if window is None:
+        check(extra == 0, f"attention_global={extra} needs an attention_window")
+        return
+    check(extra <= window, f"attention_global={extra} must not exceed attention_window={window}")
+    check(config.attention in ("sdpa", "math"), f"attention_window needs attention sdpa or math (the exact "
+          f"softmax); {config.attention!r} attends to every position by construction")
+
+
 def attention_options(config: Any, max_len: int) -> dict:
     """What each attention layer of a model takes: the config's ``attention_options`` section (the backend's own
     options) and ``max_len``, the longest key sequence (Linformer's projection length)."""

@@ -37,6 +37,7 @@ from .backends import ATTENTION_BACKENDS, load_backend_files
 from .fused import decode_linear, linear_add
 from .kv_cache import LayerCache, MemoryLayer
 from .positions import apply_rotary
+from .sliding import Band
 
 Backend = Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float, bool], tuple[Tensor, Tensor | None]]
 
@@ -203,9 +204,10 @@ def capture_attention_of(modules: list[nn.Module]) -> Iterator[dict[int, list[Te
         _CAPTURE.reset(token)
 
 
-def _capturing() -> bool:
+def capturing() -> bool:
     """Whether a capture is active (never while ``torch.compile`` traces: a compiled model is not captured, and
-    the context variable is not traceable)."""
+    the context variable is not traceable): a model then attends with explicit masks, whose probabilities the
+    capture records, rather than block-wise (:class:`~.sliding.Band`)."""
     return not torch.compiler.is_compiling() and _CAPTURE.get() is not None
 
 
@@ -227,6 +229,7 @@ class Context(NamedTuple):
     memory: LayerCache | None = None  # cross-attention: the memory's keys and values (a MemoryLayer)
     memory_mask: Tensor | None = None  # cross-attention: the memory's additive mask (Bm, 1, 1, S)
     ragged: bool = False  # rows at different lengths, one query each (KeySpan.ragged): sdpa as ragged_rows_attention
+    band: Band | None = None  # sliding-window attention over the whole sequence, block-wise (instead of ``mask``)
 
 
 NO_CONTEXT = Context()
@@ -366,10 +369,13 @@ class MultiHeadAttention(nn.Module):
                     mask = mask[..., :queries, :]
             if ctx.cache is not None:
                 k, v = ctx.cache.update(k, v)
-        if not step and _capturing():
+        if not step and capturing():
             _record(self, q, k, mask, causal)
         backend = ragged_rows_attention if ctx.ragged and self.backend is sdpa_attention else self.backend
-        out, probs = backend(q, k, v, mask, causal, dropout, need_weights)
+        if ctx.band is not None:
+            out, probs = ctx.band.attend(backend, q, k, v, dropout), None
+        else:
+            out, probs = backend(q, k, v, mask, causal, dropout, need_weights)
         if fold != 1:
             out = out.view(-1, H, fold, T, D).transpose(1, 2).reshape(B, H, T, D)
         out = out.reshape(B, H * D) if step and fold == 1 else \

@@ -16,6 +16,8 @@ into the mask), ``advance`` and ``plain`` (whether the plain one-token functions
 * :class:`RaggedView` (rows at different lengths, a server's running batch): row b writes at its own
   ``lengths[b]`` and attends over the first ``max(lengths) + 1`` positions, the mask hiding each row's later ones.
 * :class:`MemoryLayer`: an encoder's keys and values for cross-attention, computed once; ``update`` returns them.
+* :class:`RollingKVCache` (sliding-window attention): a ring of ``globals + window`` slots per layer, so decoding
+  holds the memory of the window however long it runs.
 
 A paged cache joins as one more class with these methods.
 """
@@ -27,6 +29,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from ..errors import GenerationError
 from .masks import KeySpan
 
 
@@ -272,3 +275,134 @@ class StaticView:
 
     def advance(self, n: int) -> None:
         """Nothing: the caller advances (no Python state changes inside a compiled step)."""
+
+
+class RollingLayer:
+    """One layer of a :class:`RollingKVCache`: writes the positions the owner keeps into their slots; attends over
+    the new keys alone (the first call: the whole prompt), the ring (one-token steps) or the ring before the write
+    and the new keys (later calls of several positions)."""
+
+    __slots__ = ("k", "v", "owner")
+
+    def __init__(self, k: Tensor, v: Tensor, owner: RollingKVCache) -> None:
+        self.k, self.v, self.owner = k, v, owner  # (B, Hkv, S + 1, D): the ring and one slot for what is not kept
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        owner, S = self.owner, self.owner.slots
+        before = None
+        if owner.mode == "extend":
+            before = (torch.cat((self.k[:, :, :S], k), dim=2), torch.cat((self.v[:, :, :S], v), dim=2))
+        at = owner.write_at
+        if isinstance(at, int):  # every row writes its one new position into the same slot
+            self.k.narrow(2, at, 1).copy_(k)
+            self.v.narrow(2, at, 1).copy_(v)
+        else:  # (B, 1, T, 1) slots, expanded over heads and features
+            index = at.expand(-1, k.shape[1], -1, k.shape[3])
+            self.k.scatter_(2, index, k)
+            self.v.scatter_(2, index, v)
+        if owner.mode == "first":
+            return k, v
+        return before if before is not None else (self.k[:, :, :S], self.v[:, :, :S])
+
+
+class RollingKVCache:
+    """The rolling strategy of sliding-window attention: per layer a ring of ``globals + window`` key/value slots,
+    so memory stays that of ``globals + window`` positions however long decoding runs.
+
+    Position p goes to slot p (p < globals, the global positions, kept for good) or ``globals + (p - globals) %
+    window``; a write keeps only the positions a later query can still see (the global ones and the last
+    ``window``). The slots are attended in slot order (attention does not depend on the order of its keys; the
+    positions are already in the keys (rotary) or come from :attr:`positions` (a score bias)). Left padding is
+    marked by the ``attention_mask`` each call gets, over all columns so far (as for the dense cache): a row's
+    positions count its real tokens, its padding is never stored. ``limit``: the highest position count the model
+    takes (None: no limit, a position scheme that extrapolates)."""
+
+    plain = True
+
+    def __init__(self, num_layers: int, batch_size: int, num_kv_heads: int, window: int, globals: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+                 limit: int | None = None) -> None:
+        self.window, self.globals, self.limit = window, globals, limit
+        self.slots = S = globals + window
+        self.max_len = None  # no capacity: the ring never fills up
+        self.length = 0  # columns seen (padding included)
+        self._set_storage(torch.zeros((num_layers, 2, batch_size, num_kv_heads, S + 1, head_dim), dtype=dtype,
+                                      device=device),
+                          torch.full((batch_size, S + 1), -1, dtype=torch.long, device=device),
+                          torch.zeros(batch_size, dtype=torch.long, device=device))
+        self.padded = False  # a row had padding: slots can be empty for some rows only
+        self.mode, self.write_at, self._pending = "first", 0, None
+
+    def _set_storage(self, kv: Tensor, positions: Tensor, count: Tensor) -> None:
+        self.kv, self.positions, self.count = kv, positions, count  # positions: (B, S + 1) per slot, -1 = empty
+        self.layers: list[LayerCache] = [RollingLayer(kv[i, 0], kv[i, 1], self) for i in range(kv.shape[0])]
+
+    @property
+    def batch_size(self) -> int:
+        return self.kv.shape[2]
+
+    def span(self, T: int, attention_mask: Tensor | None) -> KeySpan:
+        """The keys of T new columns (``attention_mask`` (B, length + T) or None) and where they are written."""
+        B, S, W, g = self.batch_size, self.slots, self.window, self.globals
+        device = self.positions.device
+        valid = None if attention_mask is None else attention_mask[:, -T:].bool()  # (B, T)
+        if valid is not None and not bool(valid.all()):
+            self.padded = True
+        else:
+            valid = None
+        offsets = torch.arange(T, device=device)[None] if valid is None else valid.long().cumsum(-1) - 1
+        pos = self.count[:, None] + offsets  # (B, T) the new positions
+        count = self.count + (T if valid is None else valid.sum(-1))
+        if self.limit is not None and self.length + T > self.limit:
+            raise GenerationError(f"sequence of {self.length + T} positions exceeds the model's context of "
+                                  f"{self.limit}")
+        keep = pos > (count[:, None] - 1 - W)  # the last W positions of each row
+        if g:
+            keep |= pos < g
+        if valid is not None:
+            keep &= valid
+        slot = torch.where(pos < g, pos, g + (pos - g).remainder(W)) if g else pos.remainder(W)
+        slot = torch.where(keep, slot, S)  # (B, T); what is not kept goes to the spare slot S
+        if T == 1 and valid is None and not self.padded and self.length >= g:
+            self.write_at = g + (self.length - g) % W  # no padding ever: every row writes the same slot
+        else:
+            self.write_at = slot[:, None, :, None]  # (B, 1, T, 1)
+        self._pending = (slot, pos, count)
+        extent = self.length + T
+        if self.length == 0:
+            self.mode = "first"
+            return KeySpan(0, T, None, valid, extent=extent)
+        if T == 1:  # the ring itself, written first: every kept slot is inside the window of the new position
+            self.mode = "step"
+            after = self.positions.clone()
+            after.scatter_(1, slot, pos)
+            empty = after[:, :S] < 0
+            return KeySpan(None, S, pos, ~empty if self.padded or self.length < S else None, windowed=True,
+                           key_positions=after[:, :S], extent=extent)
+        self.mode = "extend"
+        keys_valid = torch.cat((self.positions[:, :S] >= 0,
+                                torch.ones(B, T, dtype=torch.bool, device=device) if valid is None else valid), 1)
+        return KeySpan(None, S + T, pos, keys_valid, key_positions=torch.cat((self.positions[:, :S], pos), 1),
+                       extent=extent)
+
+    def advance(self, n: int) -> None:
+        slot, pos, count = self._pending
+        self.positions.scatter_(1, slot, pos)
+        self.positions[:, self.slots] = -1
+        self.count, self.length, self._pending = count, self.length + n, None
+
+    def reset(self) -> None:
+        self.positions.fill_(-1)
+        self.count.zero_()
+        self.length, self.padded = 0, False
+
+    def select(self, index: Tensor) -> None:
+        """Keep only batch rows ``index`` (decoding drops finished rows); the :attr:`layers` are rebuilt."""
+        self._set_storage(self.kv.index_select(2, index), self.positions.index_select(0, index),
+                          self.count.index_select(0, index))
+
+    def reorder(self, index: Tensor) -> None:
+        """Row ``i`` becomes the old row ``index[i]`` (beam search), in place."""
+        self.kv.copy_(self.kv.index_select(2, index))
+        self.positions.copy_(self.positions.index_select(0, index))
+        self.count.copy_(self.count.index_select(0, index))

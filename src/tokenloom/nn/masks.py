@@ -37,50 +37,72 @@ class KeySpan(NamedTuple):
     """Which keys a call's T new queries see, as a cache strategy (or a whole-sequence pass) describes it.
 
     ``past`` (dense): positions already cached, the queries at ``[past, keys)`` (None: ``queries`` given);
-    ``keys``: S, the keys attended; ``queries`` (B|1, T) the queries' key indices where ``past`` is None;
-    ``valid`` (B|1, S) bool, False for padding keys, or None; ``ragged``: rows at different lengths (one query each,
-    a server's running batch), which attention computes with the one-query kernel (:class:`~.attention.Context`)."""
+    ``keys``: S, the keys attended; ``queries`` (B|1, T) the queries' key indices where ``past`` is None (their
+    positions where ``key_positions`` is given); ``valid`` (B|1, S) bool, False for padding keys, or None; ``ragged``:
+    rows at different lengths (one query each, a server's running batch), which attention computes with the
+    one-query kernel (:class:`~.attention.Context`). A strategy whose keys are not in position order (the rolling
+    ring of sliding-window attention) gives their ``key_positions`` (B|1, S), and ``windowed`` when it holds only
+    keys inside the queries' window (nothing left for the window to hide). ``extent``: one past the last column
+    written, where the strategy knows it as a number (dense, rolling): the model checks it against its context."""
 
     past: int | None
     keys: int
     queries: Tensor | None = None
     valid: Tensor | None = None
     ragged: bool = False
+    windowed: bool = False
+    key_positions: Tensor | None = None
+    extent: int | None = None
 
 
 def sequence_span(length: int, valid: Tensor | None = None) -> KeySpan:
     """A whole-sequence pass (no cache): ``length`` queries over the same keys; ``valid`` (B, S) 1 = token."""
-    return KeySpan(0, length, None, None if valid is None else valid.bool())
+    return KeySpan(0, length, None, None if valid is None else valid.bool(), extent=length)
 
 
-def attention_mask(span: KeySpan, T: int, *, causal: bool, position=None, dtype: torch.dtype,
+def attention_mask(span: KeySpan, T: int, *, causal: bool, position=None, window=None, dtype: torch.dtype,
                    device: torch.device) -> tuple[Tensor | None, bool]:
     """The one mask builder: (attn_mask, is_causal) for T queries over ``span`` — every model and cache strategy
     builds its masks here, built once per forward and shared by every layer.
 
     ``causal``: a query sees the keys at or before its own index; ``position`` (a :class:`~.positions.Position`)
-    adds its score bias (ALiBi, T5) where it has one. The mask is None (or ``is_causal`` True: the fused
-    kernels' own causal path) where nothing needs masking, a bool (Tq, S) causal mask for a dense cache without
-    padding or bias, else an additive float (B|1, H|1, T, S) mask in ``dtype`` (0 / the dtype's minimum, plus the
-    bias)."""
+    adds its score bias (ALiBi, T5) where it has one; ``window`` (a :class:`~.sliding.Window`) hides the keys
+    outside each query's sliding window. The mask is None (or ``is_causal`` True: the fused kernels' own causal
+    path) where nothing needs masking, a bool (Tq, S) causal mask for a dense cache without padding or bias, else an
+    additive float (B|1, H|1, T, S) mask in ``dtype`` (0 / the dtype's minimum, plus the bias)."""
     has_bias = position is not None and position.has_bias
-    if span.past is not None and span.valid is None and not has_bias:
+    if window is not None and (span.windowed or (window.causal and span.key_positions is None
+                                                 and span.keys <= window.size)):
+        window = None  # every key is inside the window already
+    if span.windowed:
+        causal = False
+    if span.past is not None and span.valid is None and not has_bias and window is None:
         if T == 1 or not causal:
             return None, False
         if span.past == 0:
             return None, True
         return causal_mask(T, span.keys, device), False
-    index = torch.arange(span.keys, device=device)
-    queries = span.queries if span.queries is not None else index[span.past:][None]  # (B|1, T)
+    index = span.key_positions if span.key_positions is not None else torch.arange(span.keys, device=device)
+    index = index if index.dim() == 2 else index[None]  # (B|1, S)
+    queries = span.queries if span.queries is not None else torch.arange(span.past, span.keys, device=device)[None]
     allowed = None
-    if causal and (span.past is None or T > 1):  # (a dense cache's single query sees every key anyway)
-        allowed = (index <= queries[..., None])[:, None]  # (B|1, 1, T, S)
+    if window is not None:
+        q_pos, k_pos = queries, index
+        if window.globals and span.valid is not None and span.key_positions is None:  # positions count real tokens
+            k_pos = span.valid.long().cumsum(-1) - 1
+            q_pos = k_pos.gather(1, queries.expand(k_pos.shape[0], -1))
+        allowed = window.allowed(q_pos[..., None], k_pos[:, None, :])[:, None]  # (B|1, 1, T, S)
+        if causal and not window.causal:
+            allowed = allowed & (index[:, None, :] <= queries[..., None])[:, None]
+    elif causal and (span.past is None or T > 1):  # (a dense cache's single query sees every key anyway)
+        allowed = (index[:, None, :] <= queries[..., None])[:, None]  # (B|1, 1, T, S)
     if span.valid is not None:
         pad = span.valid[:, None, None, :]  # (B, 1, 1, S)
         allowed = pad if allowed is None else allowed & pad
     mask = None if allowed is None else additive_mask(allowed, dtype)
     if has_bias:
-        bias = position.bias(queries if span.queries is not None else queries[0], index)  # (B|1, H, T, S)
+        keys = index if span.key_positions is not None else index[0]
+        bias = position.bias(queries if span.queries is not None else queries[0], keys)  # (B|1, H, T, S)
         if bias is not None:
             mask = bias.to(dtype) if mask is None else mask + bias.to(dtype)
     return mask, False

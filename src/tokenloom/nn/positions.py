@@ -49,6 +49,12 @@ class Position(nn.Module):
         indices (rows at different lengths) -> (B, H, Tq, Tk)."""
         return None
 
+    extrapolates = True  # positions past max_seq_len are defined (False: a table of max_seq_len rows)
+
+    def reserve(self, positions: int) -> None:
+        """Make positions ``0 .. positions - 1`` available (a scheme with a table grows it; only called where
+        :attr:`extrapolates`)."""
+
     @property
     def has_bias(self) -> bool:
         """Whether the scheme adds a score bias (overrides :meth:`bias`: ALiBi, T5)."""
@@ -81,6 +87,7 @@ class SinusoidalPosition(Position):
     """Fixed sinusoids added to the token embeddings (Vaswani et al. 2017), sin/cos interleaved."""
 
     layout = "interleaved"
+    extrapolates = False
 
     def __init__(self, *, embed_dim: int, max_seq_len: int, **kwargs) -> None:
         super().__init__(embed_dim=embed_dim, max_seq_len=max_seq_len, **kwargs)
@@ -99,6 +106,8 @@ class SinusoidalHalvesPosition(SinusoidalPosition):
 
 @POSITIONS.register("learned")
 class LearnedPosition(Position):
+    extrapolates = False
+
     def __init__(self, *, embed_dim: int, max_seq_len: int, **kwargs) -> None:
         super().__init__(embed_dim=embed_dim, max_seq_len=max_seq_len, **kwargs)
         self.weight = nn.Embedding(max_seq_len, embed_dim)
@@ -277,14 +286,26 @@ class RotaryPosition(Position):
         super().__init__(head_dim=head_dim, max_seq_len=max_seq_len, **kwargs)
         if head_dim % 2:
             raise ValueError(f"rope needs an even head_dim, got {head_dim}")
-        inv, attention_factor = rope_frequencies(head_dim, base, scaling, max_seq_len)
-        angles = torch.arange(max_seq_len, dtype=torch.float32)[:, None] * inv  # (T, D/2)
-        angles = torch.cat((angles, angles), dim=-1)  # (T, D)
-        cos, sin = angles.cos(), angles.sin()
-        if attention_factor != 1.0:
-            cos, sin = cos * attention_factor, sin * attention_factor
+        inv, self.attention_factor = rope_frequencies(head_dim, base, scaling, max_seq_len)
+        self.register_buffer("inv", inv, persistent=False)
+        cos, sin = self._table(max_seq_len)
         self.register_buffer("cos", cos, persistent=False)
         self.register_buffer("sin", sin, persistent=False)
+
+    def _table(self, n: int) -> tuple[Tensor, Tensor]:
+        angles = torch.arange(n, dtype=torch.float32, device=self.inv.device)[:, None] * self.inv.float()  # (T, D/2)
+        angles = torch.cat((angles, angles), dim=-1)  # (T, D)
+        cos, sin = angles.cos(), angles.sin()
+        if self.attention_factor != 1.0:
+            cos, sin = cos * self.attention_factor, sin * self.attention_factor
+        return cos, sin
+
+    def reserve(self, positions: int) -> None:
+        """Grow the cos / sin tables to ``positions`` rows (doubling), for windowed models run past
+        ``max_seq_len``."""
+        if positions > self.cos.shape[0]:
+            cos, sin = self._table(max(positions, 2 * self.cos.shape[0]))
+            self.cos, self.sin = cos.to(self.cos.dtype), sin.to(self.sin.dtype)
 
     def rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         return self.cos[positions][:, None], self.sin[positions][:, None]  # (B, 1, T, D)
@@ -314,7 +335,7 @@ class AlibiPosition(Position):
         self.register_buffer("slopes", alibi_slopes(num_heads)[:, None, None], persistent=False)
 
     def bias(self, q_index: Tensor, k_index: Tensor) -> Tensor:
-        offset = q_index[..., :, None] - k_index  # (B?, Tq, Tk)
+        offset = q_index[..., :, None] - k_index[..., None, :]  # (B?, Tq, Tk)
         distance = (offset.abs() if self.bidirectional else offset.clamp(min=0)).float()
         bias = -self.slopes * distance[..., None, :, :]  # (B?, H, Tq, Tk)
         return bias if q_index.dim() == 2 else bias[None]
@@ -350,7 +371,7 @@ class T5Position(Position):
         self.weight = nn.Embedding(num_buckets, num_heads)
 
     def bias(self, q_index: Tensor, k_index: Tensor) -> Tensor:
-        relative = k_index - q_index[..., :, None]  # (B?, Tq, Tk)
+        relative = k_index[..., None, :] - q_index[..., :, None]  # (B?, Tq, Tk)
         buckets = t5_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
         bias = self.weight(buckets).movedim(-1, -3)  # (B?, H, Tq, Tk)
         return bias if q_index.dim() == 2 else bias[None]

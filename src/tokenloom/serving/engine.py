@@ -5,7 +5,9 @@ batch between decode steps, over a slot-based preallocated KV cache.
   running requests occupy rows ``0 .. A-1`` (kept contiguous: a finished request's row takes the last row's
   contents), so a decode step runs on views of the first A rows, at each row's own length: the model's own
   forward over the ragged cache strategy (:meth:`tokenloom.nn.KVCache.ragged`). The engine talks to the model
-  through the decoding protocol only (``create_cache``, ``__call__(ids, positions=, cache=)``,
+  through the decoding protocol only (``create_cache(..., rolling=False)``: the dense strategy, whose ragged
+  view it needs, also for a sliding-window model, whose mask then hides the keys outside the window;
+  ``__call__(ids, positions=, cache=)``,
   ``config.max_seq_len`` / ``vocab_size``), so it serves every causal family.
 * A new request is prefilled alone (its prompt through the model with its own small cache, copied into a free
   row) between two decode steps; its first token comes from the prefill.
@@ -88,7 +90,7 @@ class Engine:
         # fit in memory (tokenloom.budget)
         element = next(model.parameters()).element_size()
         check_kv_cache(c, max_batch, self.max_len, element, f"max_batch={max_batch}", error=ConfigError)
-        self.cache = model.create_cache(max_batch, self.max_len)
+        self.cache = model.create_cache(max_batch, self.max_len, rolling=False)
         self.device = device_of(model)  # the batch's tokens, positions and caches live beside the weights
         self.lengths = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # cached positions per row
         self.views: dict[int, object] = {}  # running rows -> the cache's first rows as a ragged view
@@ -196,7 +198,7 @@ class Engine:
             return
         try:
             ids = torch.tensor([request.prompt_ids], device=self.device)
-            cache = self.model.create_cache(1, self.max_len)
+            cache = self.model.create_cache(1, self.max_len, rolling=False)
             logits = self.model(ids, cache=cache)[0, -1]  # (V,)
         except Exception as error:  # noqa: BLE001
             self._emit(request, ("error", f"generation failed: {error}"))
