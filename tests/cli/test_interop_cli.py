@@ -141,3 +141,29 @@ def test_import_llama_with_sentencepiece_tokenizer(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "tl"), "--prompt", "But soft", "--greedy", "--max-new-tokens", "12"]) == 0
     printed = capsys.readouterr().out
     assert printed == "But soft" + expected + "\n"
+
+
+def test_import_and_export_mistral_with_sliding_window(tmp_path, capsys):
+    """``import hf`` of a MistralForCausalLM whose sliding_window (4) is shorter than the context: the checkpoint
+    has attention_window 4 and transformers' logits; ``export`` writes it back as Mistral with the window."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.MistralForCausalLM(transformers.MistralConfig(
+        vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, sliding_window=4, bos_token_id=None, eos_token_id=None,
+        attn_implementation="eager")).eval()
+    with torch.no_grad():
+        for p in hf.parameters():
+            p.normal_(0, 0.3)
+    hf.save_pretrained(tmp_path / "hf")
+    assert main(["import", "hf", str(tmp_path / "hf"), "--out", str(tmp_path / "tl")]) == 0
+    model, cfg = load_model(tmp_path / "tl")
+    assert cfg["model"]["attention_window"] == 4 and cfg["source"]["architecture"] == "MistralForCausalLM"
+    ids = torch.randint(0, 50, (1, 24), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids), hf(ids).logits, atol=1e-4, rtol=1e-4)
+    capsys.readouterr()
+    assert main(["export", str(tmp_path / "tl"), "--out", str(tmp_path / "back")]) == 0
+    assert "MistralForCausalLM" in capsys.readouterr().out
+    config = json.loads((tmp_path / "back" / "config.json").read_text())
+    assert (config["model_type"], config["sliding_window"]) == ("mistral", 4)

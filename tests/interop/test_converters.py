@@ -16,7 +16,7 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", ["gpt2", "llama"])
+@pytest.mark.parametrize("name", ["gpt2", "llama", "mistral"])
 def test_hf_defaults_are_transformers_defaults(name: str) -> None:
     """config.json leaves out values equal to the class defaults; ours must be the same values."""
     transformers = pytest.importorskip("transformers")
@@ -71,7 +71,7 @@ def test_ops_are_inverse() -> None:
 
 def test_find_converter_by_type_or_architecture() -> None:
     assert find_converter({"model_type": "gpt2"}) is HF_CONVERTERS.get("gpt2")
-    assert find_converter({"model_type": "mistral"}) is HF_CONVERTERS.get("llama")
+    assert find_converter({"model_type": "mistral"}) is HF_CONVERTERS.get("mistral")
     assert find_converter({"architectures": ["LlamaForCausalLM"]}) is HF_CONVERTERS.get("llama")
     with pytest.raises(ConfigError) as err:
         find_converter({"model_type": "bert", "architectures": ["BertForMaskedLM"]})

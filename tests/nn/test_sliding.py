@@ -231,3 +231,11 @@ def test_sdpa_and_math_agree_with_a_window():
     with torch.no_grad():
         torch.testing.assert_close(a(ids), b(ids))
     assert F is not None
+
+
+def test_dense_cache_decodes_past_the_context_with_a_window():
+    """A dense cache longer than max_seq_len (rope grows its tables) gives the uncached windowed forward."""
+    model = tiny("rope", window=8, max_seq_len=16)
+    ids = torch.randint(0, 50, (1, 40))
+    with torch.no_grad():
+        torch.testing.assert_close(decode_all(model, ids, model.create_cache(1, 40, rolling=False), 5), model(ids))

@@ -32,7 +32,7 @@ def test_causal_check_fails_on_a_broken_mask(monkeypatch):
     import tokenloom.models.gpt as gpt_module
 
     model = gpt()
-    monkeypatch.setattr(gpt_module, "attention_mask_for", lambda *args, **kwargs: (None, False))  # mask forgotten
+    monkeypatch.setattr(gpt_module, "plan_attention", lambda *args, **kwargs: (None, False, None))  # mask forgotten
     maps = captured(model, torch.randint(0, 40, (2, 8)))
     result = causal_check(maps.get("self", 0), 0)
     assert not result.passed and result.max_mass > 0.1 and result.heads == [0, 1, 2, 3]

@@ -118,7 +118,7 @@ def test_viz_check_passes_and_writes_json(lm_run, tmp_path, capsys):
 def test_viz_check_fails_on_a_broken_mask(lm_run, capsys, monkeypatch):
     import tokenloom.models.gpt as gpt_module
 
-    monkeypatch.setattr(gpt_module, "attention_mask_for", lambda *args, **kwargs: (None, False))  # no causal mask
+    monkeypatch.setattr(gpt_module, "plan_attention", lambda *args, **kwargs: (None, False, None))  # no causal mask
     assert main(["viz", "check", str(lm_run)]) == 1
     assert "LEAKS" in capsys.readouterr().out
 

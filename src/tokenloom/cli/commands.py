@@ -167,10 +167,11 @@ def _continuation(tokenizer, prompt: list[int], new: list[int]) -> str:
 def _stream_text(model, tokenizer, prompt: str, config) -> str:
     """Print ``prompt`` and its continuation as the tokens arrive; returns the continuation.
 
-    Sliding window: when the prompt plus ``max_new_tokens`` exceeds the model's context, text is
-    generated in chunks; once the context is full, the last half of it becomes the prompt of the next
-    chunk (its cache is rebuilt), so earlier text falls out of view. A stop string that straddles two
-    chunks is not seen.
+    Past the context: a model with an ``attention_window`` (a rolling cache) or a Transformer-XL ``memory_len``
+    whose positions extrapolate decodes on in one run. Any other model generates in chunks when the prompt
+    plus ``max_new_tokens`` exceeds its context; once the context is full, the last half of it becomes the
+    prompt of the next chunk (its cache is rebuilt), so earlier text falls out of view. A stop string that
+    straddles two chunks is not seen.
     """
     from dataclasses import replace
 
@@ -180,7 +181,10 @@ def _stream_text(model, tokenizer, prompt: str, config) -> str:
     if not ids:
         raise GenerationError("the prompt is empty after tokenization")
     context = model.config.max_seq_len
-    if len(ids) >= context:
+    # a sliding-window model (rolling cache) or a Transformer-XL one (memory) whose positions extrapolate decodes
+    # past its context in one run: no chunks
+    unbounded = getattr(model.config, "max_positions", context) is None
+    if len(ids) >= context and not unbounded:
         raise GenerationError(f"prompt of {len(ids)} tokens leaves no room in the model's context of {context}")
     sys.stdout.write(prompt)
     sys.stdout.flush()
@@ -188,7 +192,7 @@ def _stream_text(model, tokenizer, prompt: str, config) -> str:
     shown = ""
     remaining, window, chunk = config.max_new_tokens, ids, 0
     while remaining > 0:
-        steps = min(remaining, context - len(window))
+        steps = remaining if unbounded else min(remaining, context - len(window))
         seed = offset_seed(config.seed, chunk)
         produced = 0
         for token in stream(model, torch.tensor([window], device=device_of(model)),

@@ -213,10 +213,15 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     t.set_defaults(func=_run_in("translation", "bench_translate"))
     a = bench.add_parser("attention", help="time and peak memory of the attention backends over sequence lengths",
                          description="Forward time, extra peak memory and (linear-time backends) error against "
-                                     "exact softmax attention, per backend and length, each in a fresh process.")
-    a.add_argument("--lengths", type=int, nargs="+", default=[512, 2048, 8192, 16384])
-    a.add_argument("--backends", nargs="+", default=["sdpa", "math", "performer", "linformer"],
-                   help="attention backends to measure (default: sdpa math performer linformer)")
+                                     "exact softmax attention, per backend and length, each in a fresh process; "
+                                     "window: sliding-window attention block-wise (checked against its dense "
+                                     "mask).")
+    a.add_argument("--lengths", nargs="+", default=["512", "2048", "8192", "16384"],
+                   help="sequence lengths, space- or comma-separated, k = 1024 (e.g. 1k,4k,16k,64k; default 512 "
+                        "2048 8192 16384)")
+    a.add_argument("--backends", nargs="+", default=["sdpa", "math", "performer", "linformer", "window"],
+                   help="attention backends to measure, space- or comma-separated (default: sdpa math performer "
+                        "linformer window); window = sliding-window attention (--window) block-wise with sdpa")
     a.add_argument("--mode", choices=["causal", "bidirectional", "both"], default="both",
                    help="causal masks, none, or both (linformer: bidirectional only)")
     a.add_argument("--batch", type=int, default=1)
@@ -225,6 +230,12 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
     a.add_argument("--repeats", type=int, default=3, help="timed calls after one warm-up; the fastest is kept")
     a.add_argument("--math-max-length", type=int, default=8192,
                    help="skip the explicit softmax above this length (its scores grow with the square)")
+    a.add_argument("--sdpa-max-length", type=int, default=16384,
+                   help="skip full sdpa above this length (its time grows with the square: 64k causal takes ~16x "
+                        "16k's; default 16384)")
+    a.add_argument("--window", type=int, default=512,
+                   help="the window backend's window size W (causal: a query sees itself and the W - 1 before it; "
+                        "bidirectional: W//2 either side; default 512)")
     a.add_argument("--error-max-length", type=int, default=4096,
                    help="measure the approximation error up to this length (it needs the exact output too)")
     a.add_argument("--threads", type=int, default=os.cpu_count() or 1)
@@ -382,7 +393,7 @@ def _add_import(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("import", help="turn a Hugging Face model directory into a tokenloom checkpoint",
                        description="Import a local Hugging Face model directory (config.json, model.safetensors "
                                    "or pytorch_model.bin, tokenizer.json) as a tokenloom checkpoint. Supported: "
-                                   "GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM (no sliding window).")
+                                   "GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM (its sliding window too).")
     p.add_argument("format", choices=["hf"], help="source format: hf (Hugging Face transformers)")
     p.add_argument("source", help="Hugging Face model directory")
     p.add_argument("--out", required=True, help="checkpoint directory to write")

@@ -44,13 +44,20 @@ def static_cache_length(needed: int, context: int | None) -> int:
     return max(needed, min(rounded, context)) if context is not None else rounded
 
 
-def why_not_compiled(model: nn.Module, backend=None) -> str | None:
-    """Why ``model``'s decode steps cannot be compiled here, or None when they can."""
+def why_not_compiled(model: nn.Module, backend=None, length: int | None = None) -> str | None:
+    """Why ``model``'s decode steps cannot be compiled here (for ``length`` positions, where given), or None when
+    they can."""
     if decoding_of(model) != "causal_lm":
         return f"{type(model).__name__} is not a causal language model (compiled decoding is for those)"
     attention = getattr(getattr(model, "config", None), "attention", "sdpa")
     if attention in ("performer", "linformer"):
         return f"attention={attention!r} keeps no key/value cache to make static"
+    config = model.config
+    if getattr(config, "memory_len", 0):
+        return "a Transformer-XL memory (memory_len) is not a static cache"
+    if getattr(config, "attention_window", None) and length is not None and length > config.max_seq_len:
+        return (f"{length} positions are past max_seq_len={config.max_seq_len}: a sliding-window model decodes that "
+                "far over its rolling cache, not a static one")
     return compile_unavailable() if (backend or BACKEND) == "inductor" else None
 
 

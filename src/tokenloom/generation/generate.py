@@ -10,8 +10,10 @@ The model protocol (:class:`tokenloom.models.GPT` follows it)::
 
 * Prompts of different lengths are left-padded and marked by ``attention_mask`` (1 = token, 0 = padding);
   positions count real tokens only, so a row decodes exactly as it would alone.
-* There is no sliding window: the prompt (padding included) plus ``max_new_tokens`` must fit in
-  ``max_seq_len``, or :class:`GenerationError` says by how much it does not.
+* The prompt (padding included) plus ``max_new_tokens`` must fit in ``max_seq_len``, or
+  :class:`GenerationError` says by how much it does not, except for a sliding-window model (``attention_window``;
+  a rolling cache of the window) or a Transformer-XL one (``memory_len``) whose position scheme extrapolates:
+  those decode past it.
 * A row stops after its EOS token or once its new text contains a stop string (decoded with ``tokenizer``
   over a tail window of the new tokens); the tokens that completed the stop string stay in the output,
   and every later position of that row holds ``pad_token_id``. Decoding ends when all rows have
@@ -116,11 +118,11 @@ class _Decoding:
             finished = torch.zeros(B, 1, dtype=torch.bool, device=sequences.device)  # rows that stopped
             static = None  # the compiled step (config.compile), None = eager steps
             with inference:
-                if config.compile and (reason := why_not_compiled(model)) is not None:
+                if config.compile and (reason := why_not_compiled(model, length=T + n)) is not None:
                     warnings.warn(f"generate(compile=True): {reason}; decoding eagerly", stacklevel=2)
                 elif config.compile:
                     M = static_cache_length(T + n, getattr(getattr(model, "config", None), "max_seq_len", None))
-                    cache = StaticKVCache(model.create_cache(B, M))
+                    cache = StaticKVCache(model.create_cache(B, M, rolling=False))
                     key_mask = None
                     if full_mask is not None:  # (B, M): the prompt's padding is never attended
                         key_mask = torch.ones(B, M, dtype=torch.bool, device=sequences.device)

@@ -80,6 +80,8 @@ class GPT2Converter(HFConverter):
             problems.append(f"mlp={config.mlp!r} (GPT-2 has {', '.join(map(repr, _ACTIVATION_TO_HF))})")
         if config.num_kv_heads not in (None, config.num_heads):
             problems.append(f"num_kv_heads={config.num_kv_heads} (GPT-2 has num_kv_heads == num_heads)")
+        if config.attention_window is not None:
+            problems.append(f"attention_window={config.attention_window} (GPT-2 attends to the whole context)")
         if problems:
             raise ConfigError("GPT-2 cannot express " + "; ".join(problems))
         hidden = config.mlp_hidden

@@ -109,6 +109,9 @@ class MarianConverter(HFConverter):
             problems.append(f"mlp={config.mlp!r} (Marian has {', '.join(map(repr, _ACTIVATION_TO_HF))})")
         if config.norm_eps != 1e-5:
             problems.append(f"norm_eps={config.norm_eps} (Marian's LayerNorm has 1e-5)")
+        if config.encoder_attention_window is not None:
+            problems.append(f"encoder_attention_window={config.encoder_attention_window} (Marian's encoder attends "
+                            f"to the whole source)")
         if problems:
             raise ConfigError("Marian cannot express " + "; ".join(problems))
         return dict(vocab_size=config.vocab_size, d_model=config.embed_dim, encoder_layers=config.encoder_layers,

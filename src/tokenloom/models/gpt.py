@@ -30,11 +30,10 @@ from ..nn import POSITIONS, KVCache, create_block, create_norm
 from ..nn.attention import Context, capturing
 from ..nn.block import StepFunctions, step_functions
 from ..nn.dropout import Dropout
-from ..nn.kv_cache import DecodeCache, RollingKVCache
-from ..nn.masks import attention_mask as attention_mask_for
+from ..nn.kv_cache import DecodeCache, RollingKVCache, SegmentMemory
 from ..nn.masks import positions_from_mask, sequence_span
-from ..nn.sliding import Band, Window
-from .options import attention_options, check_block_options, check_window_options, from_preset
+from ..nn.sliding import Window, plan_attention
+from .options import attention_options, check_block_options, check_memory_options, check_window_options, from_preset
 from .registry import MODELS, declare_decoding
 
 
@@ -49,7 +48,7 @@ class GPTConfig:
     num_kv_heads: int | None = None  # key/value heads (grouped-query attention); None = num_heads
     embed_dim: int = 384  # width of the residual stream, C
     max_seq_len: int = 256  # longest context the model accepts
-    position: str = "learned"  # sinusoidal | learned | rope | alibi | t5 | none
+    position: str = "learned"  # sinusoidal | learned | rope | alibi | t5 | xl (Transformer-XL) | none
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_placement: str = "pre"  # pre (GPT-2) | post (original Transformer)
     norm_eps: float = 1e-5  # epsilon of every norm layer
@@ -62,6 +61,9 @@ class GPTConfig:
     #   (Mistral's sliding_window); None = the whole context. Decoding keeps a rolling cache of W positions, and
     #   with a position scheme that extrapolates (rope, alibi, t5, none) runs past max_seq_len
     attention_global: int = 0  # with a window: the first k positions stay visible to every query (attention sinks)
+    memory_len: int = 0  # Transformer-XL: each layer also attends to the keys and values of the previous
+    #   memory_len positions (earlier segments, detached), carried by a SegmentMemory cache; needs a relative
+    #   position (xl, alibi, t5) or none, and data.order: stream in training
     dropout: float = 0.0  # dropout on embeddings, attention probabilities and residual branches
     attention_dropout: float | None = None  # dropout on attention probabilities; None = dropout (on CPU the
     #   random masks over (B, H, T, T) probabilities can cost a third of a training step)
@@ -81,8 +83,10 @@ class GPTConfig:
             check(value >= 1, f"{name} must be a positive integer, got {value}")
         check_block_options(self)
         check_window_options(self)
+        check_memory_options(self)
         extrapolates = POSITIONS.get(self.position).extrapolates
-        self.max_positions = None if self.attention_window is not None and extrapolates else self.max_seq_len
+        unbounded = self.attention_window is not None or self.memory_len > 0
+        self.max_positions = None if unbounded and extrapolates else self.max_seq_len
 
     @classmethod
     def from_name(cls, name: str, **overrides) -> GPTConfig:
@@ -113,6 +117,7 @@ class GPT(nn.Module):
         self.tok_embed = nn.Embedding(c.vocab_size, c.embed_dim)
         self.position = POSITIONS.get(c.position)(
             embed_dim=c.embed_dim, num_heads=c.num_heads, head_dim=c.head_dim, max_seq_len=c.max_seq_len,
+            num_layers=c.num_layers, memory_len=c.memory_len,
             **({"base": c.rope_base, "scaling": c.rope_scaling} if c.position == "rope" else {}))
         self.embed_dropout = Dropout(c.dropout)
         self.blocks = nn.ModuleList(
@@ -150,12 +155,15 @@ class GPT(nn.Module):
 
     def create_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
                      device: torch.device | str | None = None,
-                     rolling: bool | None = None) -> KVCache | RollingKVCache:
+                     rolling: bool | None = None) -> KVCache | RollingKVCache | SegmentMemory:
         """A preallocated cache for ``batch_size`` sequences of up to ``max_len`` (default: max_seq_len). A model
         with an ``attention_window`` gets a :class:`~tokenloom.nn.kv_cache.RollingKVCache` of the window's
         positions where ``max_len`` is longer than that (``rolling=False``: always the dense one, e.g. for a
-        server's ragged rows; ``rolling=True``: always the rolling one)."""
+        server's ragged rows; ``rolling=True``: always the rolling one). A model with a ``memory_len`` gets a
+        :class:`~tokenloom.nn.kv_cache.SegmentMemory` (Transformer-XL; training, evaluation and decoding alike)."""
         c = self.config
+        if c.memory_len:
+            return SegmentMemory(c.num_layers, batch_size, c.memory_len)
         ref = self.tok_embed.weight
         dtype, device = dtype or ref.dtype, device or ref.device
         max_len = max_len or c.max_seq_len
@@ -211,23 +219,25 @@ class GPT(nn.Module):
             x = self.embed_dropout(x)
         dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") and device.type == "cpu" \
             else x.dtype
-        band = None
-        if self.window is not None and span.past == 0 and not need_weights and not capturing():
-            band = Band.plan(self.window, T, valid=span.valid, position=position, dtype=dtype, device=device)
-        mask, is_causal = (None, False) if band is not None else attention_mask_for(
-            span, T, causal=True, position=position, window=self.window, dtype=dtype, device=device)
+        mask, is_causal, band = plan_attention(span, T, causal=True, window=self.window, position=position,
+                                               dtype=dtype, device=device, banded=not need_weights and not capturing())
         ctx = Context(mask, is_causal, position.rotary(positions), ragged=span.ragged, band=band)
         layers = cache.layers if cache is not None else [None] * len(self.blocks)
+        relatives = [None] * len(self.blocks)
+        if position.has_relative:  # Transformer-XL's query-dependent term, for the queries at these key indices
+            q_index = span.queries if span.queries is not None else \
+                torch.arange(span.past, span.keys, device=device)[None]
+            relatives = [position.relative(i, q_index) for i in range(len(self.blocks))]
         if steps is not None:
             x = x.view(B, -1)  # (B, C): the step functions take one position per row
             mask, rope = ctx.mask, ctx.rope
-            for block, layer in zip(steps.blocks, layers, strict=True):
-                x = block(x, Context(mask, False, rope, layer, ragged=span.ragged))
+            for block, layer, relative in zip(steps.blocks, layers, relatives, strict=True):
+                x = block(x, Context(mask, False, rope, layer, ragged=span.ragged, relative=relative))
             cache.advance(1)
             return steps.final_norm(x).view(B, 1, -1), [None] * len(steps.blocks)
         weights = []
-        for block, layer in zip(self.blocks, layers, strict=True):
-            layer_ctx = ctx._replace(cache=layer)
+        for block, layer, relative in zip(self.blocks, layers, relatives, strict=True):
+            layer_ctx = ctx._replace(cache=layer, relative=relative)
             if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x, w = checkpoint(block, x, layer_ctx, use_reentrant=False, need_weights=need_weights)
             else:
@@ -253,7 +263,11 @@ class GPT(nn.Module):
 
     def forward(self, input_ids: Tensor, *, positions: Tensor | None = None, attention_mask: Tensor | None = None,
                 cache: DecodeCache | None = None) -> Tensor:
-        """(B, T) token ids -> (B, T, V) logits."""
+        """(B, T) token ids -> (B, T, V) logits. With a Transformer-XL memory, T longer than ``max_seq_len`` (a long
+        prompt) runs as consecutive segments of ``max_seq_len``, the memory carried from one to the next."""
+        segment = self.config.max_seq_len
+        if isinstance(cache, SegmentMemory) and input_ids.shape[1] > segment:
+            return torch.cat([self(part, cache=cache) for part in input_ids.split(segment, dim=1)], dim=1)
         steps = self._steps(cache, input_ids.shape[1])
         hidden, _ = self._features(input_ids, positions, attention_mask, cache, False, steps)
         return steps.head(hidden[:, 0])[:, None] if steps is not None else self.forward_head(hidden)

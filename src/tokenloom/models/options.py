@@ -62,8 +62,8 @@ def check_block_options(config: Any, causal: bool = True) -> None:
     check_layer_options(config)
     check_choice("position", config.position, POSITIONS)
     if config.attention in LINEAR_ATTENTION:
-        check(config.position not in ("alibi", "t5"), f"attention {config.attention!r} cannot add the score bias "
-              f"of position {config.position!r}; use rope, sinusoidal, learned or none")
+        check(config.position not in ("alibi", "t5", "xl"), f"attention {config.attention!r} cannot add the score "
+              f"bias of position {config.position!r}; use rope, sinusoidal, learned or none")
     check(not (causal and config.attention == "linformer"), "attention 'linformer' is non-causal (its projections "
           "mix all positions) and this model attends causally; use performer or sdpa")
     if config.position == "rope":
@@ -77,21 +77,47 @@ def check_block_options(config: Any, causal: bool = True) -> None:
 LINEAR_ATTENTION = ("performer", "linformer")
 
 
-def check_window_options(config: Any) -> None:
-    """``attention_window`` (None or a positive number of positions) and ``attention_global`` (0 .. the window;
-    only with a window); a window needs an exact softmax backend (sdpa or math: the linear-time ones attend
-    globally by construction). A window of at least ``max_seq_len`` attends to the whole context (as full
-    attention would) and only limits decoding past it."""
-    window, extra = config.attention_window, config.attention_global
+MEMORY_POSITIONS = ("xl", "alibi", "t5", "none")  # schemes whose scores use offsets computed at attention time
+
+
+def check_memory_options(config: Any) -> None:
+    """``memory_len`` (Transformer-XL's segment memory): >= 0; with a memory, a position scheme that keys computed
+    in an earlier segment still fit (:data:`MEMORY_POSITIONS`: the keys carry no absolute position), no sliding
+    window (the memory is the extra context) and no gradient checkpointing (its recomputation would write the
+    memory twice)."""
+    memory = config.memory_len
+    check(isinstance(memory, int) and not isinstance(memory, bool) and memory >= 0,
+          f"memory_len must be a non-negative integer, got {memory!r}")
+    if memory:
+        check(config.position in MEMORY_POSITIONS, f"memory_len={memory} needs a relative position scheme "
+              f"({', '.join(MEMORY_POSITIONS)}); position {config.position!r} puts absolute positions in the keys")
+        check(config.attention_window is None, f"memory_len={memory} and attention_window="
+              f"{config.attention_window} cannot be combined: the memory is the context beyond the segment")
+        check(not config.gradient_checkpointing, f"memory_len={memory} cannot be combined with "
+              "gradient_checkpointing (recomputing a block would write its memory twice)")
+        check(config.attention not in LINEAR_ATTENTION, f"memory_len needs attention sdpa or math, got "
+              f"{config.attention!r}")
+
+
+def check_window_options(config: Any, window_field: str = "attention_window",
+                         global_field: str = "attention_global") -> None:
+    """The sliding-window fields named ``window_field`` (None or a positive number of positions) and
+    ``global_field`` (0 .. the window; only with a window): GPT's causal ``attention_window`` /
+    ``attention_global``, the encoder-decoder's bidirectional ``encoder_attention_window`` /
+    ``encoder_attention_global``. A window needs an exact softmax backend (sdpa or math: the linear-time ones
+    attend globally by construction). A causal window of at least the context attends to all of it (as full
+    attention would; in GPT it then only limits decoding past ``max_seq_len``); a bidirectional one does where
+    its half ``W // 2`` reaches from the first position to the last (``W // 2 >= length - 1``)."""
+    window, extra = getattr(config, window_field), getattr(config, global_field)
     check(window is None or (isinstance(window, int) and not isinstance(window, bool) and window >= 1),
-          f"attention_window must be a positive integer or null, got {window!r}")
+          f"{window_field} must be a positive integer or null, got {window!r}")
     check(isinstance(extra, int) and not isinstance(extra, bool) and extra >= 0,
-          f"attention_global must be a non-negative integer, got {extra!r}")
+          f"{global_field} must be a non-negative integer, got {extra!r}")
     if window is None:
-        check(extra == 0, f"attention_global={extra} needs an attention_window")
+        check(extra == 0, f"{global_field}={extra} needs an {window_field}")
         return
-    check(extra <= window, f"attention_global={extra} must not exceed attention_window={window}")
-    check(config.attention in ("sdpa", "math"), f"attention_window needs attention sdpa or math (the exact "
+    check(extra <= window, f"{global_field}={extra} must not exceed {window_field}={window}")
+    check(config.attention in ("sdpa", "math"), f"{window_field} needs attention sdpa or math (the exact "
           f"softmax); {config.attention!r} attends to every position by construction")
 
 

@@ -2,7 +2,10 @@
 
 Shape legend: B batch, S source length, T target positions in this call, C embed_dim, V vocab_size.
 
-* ``encode(source (B, S), source_mask) -> memory (B, S, C)``: bidirectional self-attention + FFN.
+* ``encode(source (B, S), source_mask) -> memory (B, S, C)``: bidirectional self-attention + FFN; with an
+  ``encoder_attention_window``, within each position's sliding window (Longformer; block-wise for long sources,
+  :mod:`tokenloom.nn.sliding`). ``encode_chunked`` takes sources longer than ``max_source_len`` in overlapping
+  chunks (:mod:`tokenloom.nn.chunking`).
 * ``decode(target (B, T), memory, source_mask) -> logits (B, T, V)``: causal self-attention,
   cross-attention to the memory, FFN.
 * ``forward(source, target_in, source_mask)``: both, for teacher forcing.
@@ -37,14 +40,16 @@ from torch.utils.checkpoint import checkpoint
 from ..config import check
 from ..errors import GenerationError
 from ..nn import POSITIONS, KVCache, create_block, create_norm
-from ..nn.attention import Context
+from ..nn.attention import Context, capturing
 from ..nn.block import plain_eval, step_functions
+from ..nn.chunking import encode_in_chunks
 from ..nn.dropout import Dropout
 from ..nn.kv_cache import MemoryLayer
 from ..nn.masks import attention_mask as attention_mask_for
 from ..nn.masks import sequence_span
 from ..nn.positions import Position
-from .options import attention_options, check_block_options
+from ..nn.sliding import Window, plan_attention
+from .options import attention_options, check_block_options, check_window_options
 from .registry import MODELS, declare_decoding
 
 
@@ -70,6 +75,9 @@ class Seq2SeqConfig:
     mlp_hidden_dim: int | None = None  # exact MLP hidden width; None = from mlp_ratio
     attention: str = "sdpa"  # sdpa | math | performer (linformer: non-autoregressive models only)
     attention_options: dict | None = None  # the backend's own options: performer {features, redraw}, linformer {k}
+    encoder_attention_window: int | None = None  # the encoder's sliding window (Longformer): each source position
+    #   sees the W // 2 before and after it; None = the whole source. The decoder attends fully
+    encoder_attention_global: int = 0  # with a window: the first k source positions see and are seen by every one
     dropout: float = 0.1  # on embeddings and residual branches (and attention, unless attention_dropout)
     attention_dropout: float | None = None  # None = dropout
     bias: bool = True  # biases in linear and norm layers
@@ -95,6 +103,9 @@ class Seq2SeqConfig:
             value = getattr(self, name)
             check(0 <= value < self.vocab_size, f"{name}={value} is outside the vocabulary [0, {self.vocab_size})")
         check_block_options(self, causal=getattr(self, "kind", None) is None)  # NAT decoders are not causal
+        check_window_options(self, "encoder_attention_window", "encoder_attention_global")
+        check(self.position != "xl", "position 'xl' (Transformer-XL's relative positions) is for decoder-only models "
+              "(family: gpt); use t5, alibi or rope for relative positions here")
 
     @property
     def max_seq_len(self) -> int:
@@ -136,6 +147,8 @@ class EncoderDecoder(nn.Module):
         self._init_weights()
         if c.tie_embeddings:
             self.lm_head.weight = self.tgt_embed.weight
+        self.encoder_window = Window(c.encoder_attention_window, False, c.encoder_attention_global) \
+            if c.encoder_attention_window else None
 
     def _init_weights(self) -> None:
         """fairseq's Transformer: Xavier-uniform linear layers, embeddings N(0, C^-1/2) (unit scale after
@@ -169,16 +182,18 @@ class EncoderDecoder(nn.Module):
             else x.dtype
 
     def encode(self, source: Tensor, source_mask: Tensor | None = None) -> Tensor:
-        """(B, S) source ids (right-padded; ``source_mask`` 1 = token, 0 = padding) -> (B, S, C) memory."""
+        """(B, S) source ids (right-padded; ``source_mask`` 1 = token, 0 = padding) -> (B, S, C) memory. With an
+        ``encoder_attention_window`` each position attends within its window (block-wise for long sources)."""
         B, S = source.shape
         if S > self.config.max_source_len:
             raise GenerationError(f"source of {S} tokens exceeds the model's limit of {self.config.max_source_len}")
         positions = torch.arange(S, device=source.device)[None].expand(B, S)
         x = self._embed(source, self.src_embed, self.src_position, positions)
         valid = None if source_mask is None or bool(source_mask.all()) else source_mask
-        mask, _ = attention_mask_for(sequence_span(S, valid), S, causal=False, position=self.src_position,
-                                     dtype=self._mask_dtype(x), device=source.device)
-        ctx = Context(mask, False, self.src_position.rotary(positions))
+        mask, _, band = plan_attention(sequence_span(S, valid), S, causal=False, window=self.encoder_window,
+                                       position=self.src_position, dtype=self._mask_dtype(x), device=source.device,
+                                       banded=not capturing())
+        ctx = Context(mask, False, self.src_position.rotary(positions), band=band)
         if plain_eval(self.encoder):
             for block in self.encoder:
                 x = block.bind()(x, ctx)
@@ -189,6 +204,16 @@ class EncoderDecoder(nn.Module):
             else:
                 x, _ = block(x, ctx)
         return self.encoder_norm(x)
+
+    def encode_chunked(self, source: Tensor, source_mask: Tensor | None = None, *, overlap: int,
+                       fusion: str = "mean", max_batch: int | None = None) -> Tensor:
+        """:meth:`encode` for sources of any length: (B, S) -> (B, S, C) memory, a source longer than
+        ``max_source_len`` encoded in overlapping chunks of ``max_source_len`` positions advancing by
+        ``max_source_len - overlap`` and fused (:func:`tokenloom.nn.chunking.encode_in_chunks`; ``fusion`` mean
+        or max_context, at most ``max_batch`` chunks per encoder call). No position attends across chunks, and
+        each chunk's positions start at 0; a source that fits is encoded as :meth:`encode` does."""
+        return encode_in_chunks(self.encode, source, source_mask, chunk=self.config.max_source_len,
+                                overlap=overlap, fusion=fusion, max_batch=max_batch)
 
     def memory_mask(self, source_mask: Tensor | None, dtype: torch.dtype) -> Tensor | None:
         """The cross-attention mask of the memory's padding, (B, 1, 1, S) additive, or None without padding."""
@@ -256,10 +281,14 @@ class EncoderDecoder(nn.Module):
 
     # ---- decoding protocol ------------------------------------------------------------------------
 
-    def decoder_for(self, source: Tensor, source_mask: Tensor | None = None) -> Seq2SeqDecoder:
-        """Encode ``source`` once and return the decoder as a decoder-only model for generation."""
+    def decoder_for(self, source: Tensor, source_mask: Tensor | None = None, *,
+                    chunk_overlap: int | None = None) -> Seq2SeqDecoder:
+        """Encode ``source`` once and return the decoder as a decoder-only model for generation; with
+        ``chunk_overlap`` a source longer than ``max_source_len`` is encoded in chunks overlapping by that many
+        positions (:meth:`encode_chunked`)."""
         with torch.inference_mode():
-            memory = self.encode(source, source_mask)
+            memory = self.encode(source, source_mask) if chunk_overlap is None else \
+                self.encode_chunked(source, source_mask, overlap=chunk_overlap)
         return Seq2SeqDecoder(self, memory, source_mask)
 
 

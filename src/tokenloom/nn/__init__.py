@@ -1,8 +1,9 @@
 """Building blocks: attention and its backends, KV cache, positions, norms, MLPs, blocks, masks, patch
-embedding and window helpers for vision models."""
+embedding and window helpers for vision models, encoding long inputs in overlapping chunks."""
 
 from .attention import ATTENTION_BACKENDS, Context, MultiHeadAttention
 from .block import BLOCKS, PostNormBlock, PreNormBlock, create_block
+from .chunking import Chunks, encode_chunks, encode_in_chunks, fuse_chunks, pool_chunks, split_chunks
 from .kv_cache import KVCache, LayerCache, MemoryLayer, RaggedView, StaticKVCache, StaticView
 from .mlp import MLPS, create_mlp
 from .norms import NORMS, LayerNorm, RMSNorm, create_norm
@@ -19,10 +20,11 @@ from .positions import (
 from .windows import relative_position_index, shifted_window_mask, window_partition, window_reverse
 
 __all__ = [
-    "ATTENTION_BACKENDS", "BLOCKS", "MLPS", "NORMS", "POSITIONS", "ROPE_SCALINGS", "Context", "KVCache", "LayerCache",
-    "LayerNorm", "MemoryLayer", "RaggedView", "StaticKVCache", "StaticView",
+    "ATTENTION_BACKENDS", "BLOCKS", "MLPS", "NORMS", "POSITIONS", "ROPE_SCALINGS", "Chunks", "Context", "KVCache",
+    "LayerCache", "LayerNorm", "MemoryLayer", "RaggedView", "StaticKVCache", "StaticView",
     "MultiHeadAttention", "PatchEmbed", "Position", "PostNormBlock", "PreNormBlock", "RMSNorm", "apply_rotary",
-    "check_rope_scaling", "create_block", "create_mlp", "create_norm", "create_position", "patchify",
-    "relative_position_index", "resample_grid", "rope_frequencies", "shifted_window_mask", "sincos_2d", "unpatchify",
-    "window_partition", "window_reverse",
+    "check_rope_scaling", "create_block", "create_mlp", "create_norm", "create_position", "encode_chunks",
+    "encode_in_chunks", "fuse_chunks", "patchify", "pool_chunks", "relative_position_index", "resample_grid",
+    "rope_frequencies", "shifted_window_mask", "sincos_2d", "split_chunks", "unpatchify", "window_partition",
+    "window_reverse",
 ]

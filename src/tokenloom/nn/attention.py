@@ -36,7 +36,7 @@ from ..errors import ConfigError
 from .backends import ATTENTION_BACKENDS, load_backend_files
 from .fused import decode_linear, linear_add
 from .kv_cache import LayerCache, MemoryLayer
-from .positions import apply_rotary
+from .positions import Relative, apply_rotary
 from .sliding import Band
 
 Backend = Callable[[Tensor, Tensor, Tensor, Tensor | None, bool, float, bool], tuple[Tensor, Tensor | None]]
@@ -230,6 +230,7 @@ class Context(NamedTuple):
     memory_mask: Tensor | None = None  # cross-attention: the memory's additive mask (Bm, 1, 1, S)
     ragged: bool = False  # rows at different lengths, one query each (KeySpan.ragged): sdpa as ragged_rows_attention
     band: Band | None = None  # sliding-window attention over the whole sequence, block-wise (instead of ``mask``)
+    relative: Relative | None = None  # this layer's query-dependent position term (Position.relative: XL)
 
 
 NO_CONTEXT = Context()
@@ -369,6 +370,9 @@ class MultiHeadAttention(nn.Module):
                     mask = mask[..., :queries, :]
             if ctx.cache is not None:
                 k, v = ctx.cache.update(k, v)
+            if ctx.relative is not None:  # Transformer-XL: (q + u) k + (q + v) R, the mask additive already
+                q, term = ctx.relative(q, k.shape[-2])
+                mask = term if mask is None else mask + term
         if not step and capturing():
             _record(self, q, k, mask, causal)
         backend = ragged_rows_attention if ctx.ragged and self.backend is sdpa_attention else self.backend

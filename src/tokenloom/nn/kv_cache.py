@@ -16,6 +16,8 @@ into the mask), ``advance`` and ``plain`` (whether the plain one-token functions
 * :class:`RaggedView` (rows at different lengths, a server's running batch): row b writes at its own
   ``lengths[b]`` and attends over the first ``max(lengths) + 1`` positions, the mask hiding each row's later ones.
 * :class:`MemoryLayer`: an encoder's keys and values for cross-attention, computed once; ``update`` returns them.
+* :class:`SegmentMemory` (Transformer-XL): each layer's keys and values of the last ``memory_len`` positions,
+  detached, prepended to the next call's own: segment-level recurrence in training, evaluation and decoding.
 * :class:`RollingKVCache` (sliding-window attention): a ring of ``globals + window`` slots per layer, so decoding
   holds the memory of the window however long it runs.
 
@@ -125,7 +127,8 @@ class DenseCache:
     def span(self, T: int, attention_mask: Tensor | None) -> KeySpan:
         """``attention_mask`` (B, length + T) marks padding (0)."""
         past = self.length
-        return KeySpan(past, past + T, None, None if attention_mask is None else attention_mask.bool())
+        return KeySpan(past, past + T, None, None if attention_mask is None else attention_mask.bool(),
+                       extent=past + T)
 
     def advance(self, n: int) -> None:
         self.length += n
@@ -406,3 +409,68 @@ class RollingKVCache:
         self.kv.copy_(self.kv.index_select(2, index))
         self.positions.copy_(self.positions.index_select(0, index))
         self.count.copy_(self.count.index_select(0, index))
+
+
+class MemorySlot:
+    """One layer of a :class:`SegmentMemory`: attends over the memory and the new positions, then keeps the last
+    ``memory_len`` of them, detached (no gradient flows into an earlier segment)."""
+
+    __slots__ = ("k", "v", "owner")
+
+    def __init__(self, owner: SegmentMemory) -> None:
+        self.k = self.v = None
+        self.owner = owner
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self.k is not None:
+            k, v = torch.cat((self.k, k), dim=2), torch.cat((self.v, v), dim=2)  # (B, Hkv, m + T, D)
+        M = self.owner.memory_len
+        if M:
+            self.k, self.v = k[:, :, -M:].detach(), v[:, :, -M:].detach()
+        return k, v
+
+
+class SegmentMemory:
+    """Transformer-XL's segment-level recurrence as a cache strategy: every call's queries see the memory (the last
+    ``memory_len`` positions' keys and values of each layer, from earlier calls, detached) and their own positions
+    causally. The same object carries the memory across training steps (a stream of consecutive segments),
+    evaluation segments and decoding steps; :meth:`reset` forgets it (a new stream). The keys and values are kept
+    rather than the hidden states they come from: the same forward computation as the paper's concatenated states,
+    with no gradient into the key/value projections through the memory (the memory is constant either way).
+    Rows cannot be padded: every row's memory must end at the same position."""
+
+    plain = True
+    max_len = None
+
+    def __init__(self, num_layers: int, batch_size: int, memory_len: int) -> None:
+        self.memory_len, self._batch = memory_len, batch_size
+        self.layers: list[LayerCache] = [MemorySlot(self) for _ in range(num_layers)]
+        self.length = 0  # positions seen since the last reset
+
+    @property
+    def batch_size(self) -> int:
+        return self._batch
+
+    def span(self, T: int, attention_mask: Tensor | None) -> KeySpan:
+        if attention_mask is not None and not bool(attention_mask.bool().all()):
+            raise GenerationError("a Transformer-XL memory cannot carry padded rows (every row's memory must end at "
+                                  "the same position): give rows of equal length, or decode them one by one")
+        past = min(self.length, self.memory_len)
+        return KeySpan(past, past + T)
+
+    def advance(self, n: int) -> None:
+        self.length += n
+
+    def reset(self) -> None:
+        for layer in self.layers:
+            layer.k = layer.v = None
+        self.length = 0
+
+    def select(self, index: Tensor) -> None:
+        """Keep only batch rows ``index``."""
+        self._batch = index.numel()
+        for layer in self.layers:
+            if layer.k is not None:
+                layer.k, layer.v = layer.k.index_select(0, index), layer.v.index_select(0, index)
+
+    reorder = select

@@ -71,8 +71,7 @@ def attention_mask(span: KeySpan, T: int, *, causal: bool, position=None, window
     path) where nothing needs masking, a bool (Tq, S) causal mask for a dense cache without padding or bias, else an
     additive float (B|1, H|1, T, S) mask in ``dtype`` (0 / the dtype's minimum, plus the bias)."""
     has_bias = position is not None and position.has_bias
-    if window is not None and (span.windowed or (window.causal and span.key_positions is None
-                                                 and span.keys <= window.size)):
+    if window is not None and (span.windowed or (span.key_positions is None and window.covers(span.keys))):
         window = None  # every key is inside the window already
     if span.windowed:
         causal = False

@@ -28,6 +28,7 @@ from ..errors import ConfigError
 from ..registry import Registry, did_you_mean
 
 POSITIONS: Registry[type[Position]] = Registry("position")
+Relative = Callable[[Tensor, int], tuple[Tensor, Tensor]]
 
 
 class Position(nn.Module):
@@ -49,11 +50,23 @@ class Position(nn.Module):
         indices (rows at different lengths) -> (B, H, Tq, Tk)."""
         return None
 
+    def relative(self, layer: int, q_index: Tensor) -> Relative | None:
+        """A score term that depends on the queries' content (Transformer-XL): for attention layer ``layer`` and
+        queries at key indices ``q_index`` (B|1, T), a function ``(q (B, H, T, D), S keys) -> (q', term (B, H, T,
+        S))`` that attention applies before its softmax: the scores become ``q' k^T / sqrt(D) + term``. None: the
+        scheme has none."""
+        return None
+
     extrapolates = True  # positions past max_seq_len are defined (False: a table of max_seq_len rows)
 
     def reserve(self, positions: int) -> None:
         """Make positions ``0 .. positions - 1`` available (a scheme with a table grows it; only called where
         :attr:`extrapolates`)."""
+
+    @property
+    def has_relative(self) -> bool:
+        """Whether the scheme has a query-dependent score term (overrides :meth:`relative`: Transformer-XL)."""
+        return type(self).relative is not Position.relative
 
     @property
     def has_bias(self) -> bool:
@@ -375,6 +388,61 @@ class T5Position(Position):
         buckets = t5_bucket(relative, self.bidirectional, self.num_buckets, self.max_distance)
         bias = self.weight(buckets).movedim(-1, -3)  # (B?, H, Tq, Tk)
         return bias if q_index.dim() == 2 else bias[None]
+
+
+@POSITIONS.register("xl")
+class XLPosition(Position):
+    """Transformer-XL's relative positions (Dai et al. 2019): the score of query i and key j is
+
+        (q_i + u) . k_j  +  (q_i + v) . (W_r r_{i-j})        (then / sqrt(D), softmax)
+
+    with r the sinusoid of the distance i - j (the embedding width), per layer a projection W_r and the global
+    content and position biases u, v (H, D) (untied across layers, as Hugging Face's ``untie_r``). Nothing is added
+    to the embeddings and the keys carry no position, so a key cached in an earlier segment keeps its meaning:
+    segment-level recurrence (``memory_len``) relies on it. Distances up to ``max_seq_len + memory_len``."""
+
+    extrapolates = True
+
+    def __init__(self, *, embed_dim: int, num_heads: int, head_dim: int, max_seq_len: int, num_layers: int = 1,
+                 memory_len: int = 0, **kwargs) -> None:
+        super().__init__(embed_dim=embed_dim, num_heads=num_heads, head_dim=head_dim, max_seq_len=max_seq_len)
+        self.num_heads, self.head_dim = num_heads, head_dim
+        self.register_buffer("table", sinusoid_table(max_seq_len + memory_len, embed_dim, "halves"),
+                             persistent=False)  # (distances, C): sines then cosines, as the paper's code
+        self.projections = nn.ModuleList(nn.Linear(embed_dim, num_heads * head_dim, bias=False)
+                                         for _ in range(num_layers))
+        self.content_bias = nn.Parameter(torch.zeros(num_layers, num_heads, head_dim))  # u
+        self.position_bias = nn.Parameter(torch.zeros(num_layers, num_heads, head_dim))  # v
+        for projection in self.projections:
+            nn.init.normal_(projection.weight, std=0.02)
+
+    def bias(self, q_index: Tensor, k_index: Tensor) -> None:
+        """No static bias: the position term depends on the queries (:meth:`relative`); declaring this hook makes
+        the mask builder give attention an additive mask, to which the term is added."""
+        return None
+
+    def reserve(self, positions: int) -> None:
+        """Grow the distance table (distances beyond ``max_seq_len + memory_len`` appear only when a forward is
+        longer than a segment)."""
+        if positions > self.table.shape[0]:
+            self.table = sinusoid_table(max(positions, 2 * self.table.shape[0]), self.table.shape[1],
+                                        "halves").to(self.table)
+
+    def relative(self, layer: int, q_index: Tensor) -> Relative:
+        projection, u, v = self.projections[layer], self.content_bias[layer], self.position_bias[layer]
+        H, D = self.num_heads, self.head_dim
+
+        def term(q: Tensor, S: int) -> tuple[Tensor, Tensor]:
+            B, _, T, _ = q.shape
+            if S > self.table.shape[0]:
+                self.reserve(S)
+            r = projection(self.table[:S].to(q.dtype)).view(S, H, D).transpose(0, 1)  # (H, S, D): distance d
+            by_distance = (q + v[:, None]) @ r.transpose(-2, -1) * (1.0 / math.sqrt(D))  # (B, H, T, S)
+            # (B|1, T, S) distances query - key; a future key's (negative) is masked anyway
+            distance = (q_index[..., None] - torch.arange(S, device=q.device)).clamp(min=0, max=S - 1)
+            return q + u[:, None], by_distance.gather(-1, distance[:, None].expand(B, H, T, S))
+
+        return term
 
 
 def create_position(name: str, **kwargs) -> Position:

@@ -86,6 +86,9 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_len = max_batch, model.config.max_seq_len
         c = model.config
+        if getattr(c, "memory_len", 0):
+            raise ConfigError(f"a Transformer-XL model (memory_len={c.memory_len}) cannot be served: its memory "
+                              "follows one stream of segments, not a batch of independent requests")
         # every layer's keys and values for max_batch rows of the full context, refused in one line when it cannot
         # fit in memory (tokenloom.budget)
         element = next(model.parameters()).element_size()

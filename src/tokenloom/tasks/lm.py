@@ -15,10 +15,12 @@ from ..config import check, check_choice
 from ..data.text import TextDataset, read_text
 from ..data.tokenizers import TOKENIZERS, Tokenizer, create_tokenizer
 from ..devices import device_of
-from ..errors import DataError
+from ..errors import ConfigError, DataError
 from ..models.factory import create_model, model_config_from_dict
 from .losses import cross_entropy
 from .registry import TASKS, Sharded
+
+DATA_ORDERS = ("random", "stream")
 
 
 @dataclass
@@ -27,9 +29,12 @@ class LMDataConfig:
     tokenizer: str = "char"  # char | bpe
     vocab_size: int | None = None  # bpe only: the size of the learned vocabulary
     val_fraction: float = 0.1  # the last fraction of the tokens is the validation split
+    order: str = "random"  # random: windows at random offsets | stream: each batch row a contiguous stream,
+    #   consecutive batches continuing it (Transformer-XL's memory, model.memory_len, needs it)
 
     def __post_init__(self) -> None:
         check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
+        check(self.order in DATA_ORDERS, f"data.order must be one of {', '.join(DATA_ORDERS)}, got {self.order!r}")
         check(0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.tokenizer == "bpe":
             check(self.vocab_size is not None and self.vocab_size >= 257,
@@ -38,17 +43,38 @@ class LMDataConfig:
 
 @TASKS.register("lm")
 class LMTask(Sharded):
-    """Batches are (x, y) with y = x shifted by one; the loss is the mean token cross-entropy."""
+    """Batches are (x, y) with y = x shifted by one; the loss is the mean token cross-entropy.
+
+    ``order="stream"`` reads the training split as ``batch_size`` (global) contiguous streams, one per batch row,
+    each batch the next segment of every stream (:meth:`TextDataset.stream_batch`); the segment count is the
+    task's state, saved in checkpoints. A model with a Transformer-XL memory (``memory_len``) then carries its
+    memory from batch to batch (forgotten when the streams wrap around), and evaluates over streams of the split
+    with its memory. On resume the data continues exactly where it stopped but the memory starts empty (it is
+    not saved: one segment without memory)."""
 
     data_config_cls = LMDataConfig
     default_family = "gpt"
 
     def __init__(self, dataset: TextDataset, *, batch_size: int, seq_len: int, label_smoothing: float = 0.0,
-                 eval_batches: int | None = 20) -> None:
+                 eval_batches: int | None = 20, order: str = "random", memory_len: int = 0) -> None:
         self.dataset = dataset
         self.batch_size, self.seq_len = batch_size, seq_len
         self.label_smoothing = label_smoothing
         self.eval_batches = eval_batches
+        if memory_len and order != "stream":
+            raise ConfigError(f"model.memory_len={memory_len} needs data.order: stream (each batch row a contiguous "
+                              "stream, so the memory continues the text)")
+        self.order, self.memory_len = order, memory_len
+        self.segment = 0  # stream order: the next segment to read
+        self.memory = None  # the training memory (a SegmentMemory), made on the first batch
+        self._wrapped = False
+
+    def state_dict(self) -> dict[str, int]:
+        return {"segment": self.segment}
+
+    def load_state_dict(self, state: dict[str, int] | None) -> None:
+        self.segment = int((state or {}).get("segment", 0))
+        self.memory = None  # resume: the memory starts empty
 
     @classmethod
     def setup(cls, data: LMDataConfig, model_section: dict[str, Any], run_dir: Path, *, batch_size: int,
@@ -71,12 +97,19 @@ class LMTask(Sharded):
               f"train.seq_len={seq_len} exceeds model.max_seq_len={model_config.max_seq_len}")
         model = create_model(family, model_config)
         task = cls(dataset, batch_size=batch_size, seq_len=seq_len, label_smoothing=label_smoothing,
-                   eval_batches=eval_batches)
+                   eval_batches=eval_batches, order=data.order, memory_len=getattr(model_config, "memory_len", 0))
         return task, model, tokenizer, {"family": family, **section}
 
     def get_batch(self, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        """``batch_size`` random windows (distributed: this rank's slice of the global batch's windows)."""
-        x, y = self.dataset.get_batch("train", self.batch_size * self.world_size, self.seq_len, generator)
+        """``batch_size`` random windows, or the next segment of each stream (distributed: this rank's slice of the
+        global batch's rows)."""
+        rows = self.batch_size * self.world_size
+        if self.order == "stream":
+            x, y = self.dataset.stream_batch("train", rows, self.seq_len, self.segment)
+            self._wrapped = self.segment % self.dataset.streams("train", rows, self.seq_len) == 0
+            self.segment += 1
+        else:
+            x, y = self.dataset.get_batch("train", rows, self.seq_len, generator)
         if self.world_size == 1:
             return x, y
         rows = self.local(self.batch_size)
@@ -85,11 +118,20 @@ class LMTask(Sharded):
     def loss(self, model: nn.Module, batch: tuple[Tensor, Tensor]) -> tuple[Tensor, int]:
         """(mean loss, number of target tokens)."""
         x, y = batch
-        logits = model(x)  # (B, T, V)
+        cache = None
+        if self.memory_len:  # Transformer-XL: the memory of the previous segments of the same streams
+            if self.memory is None or self.memory.batch_size != x.shape[0]:
+                self.memory = model.create_cache(x.shape[0])
+            if self._wrapped:
+                self.memory.reset()
+            cache = self.memory
+        logits = model(x, cache=cache)  # (B, T, V)
         return cross_entropy(logits, y, label_smoothing=self.label_smoothing), y.numel()
 
     def eval_split_batches(self, split: str = "val") -> int:
         """How many batches :meth:`evaluate` reads from the whole of ``split`` (``max_batches=None``)."""
+        if self.memory_len:
+            return self.dataset.streams(split, self.batch_size * self.world_size, self.seq_len)
         windows = max(0, self.dataset.num_tokens(split) - 1) // self.seq_len
         return -(-windows // (self.batch_size * self.world_size))
 
@@ -106,13 +148,22 @@ class LMTask(Sharded):
         # batches of the global batch size: the same windows whatever the number of processes
         device = device_of(model)
         rows = self.batch_size * self.world_size
-        if stride is None:
+        memory = None
+        if self.memory_len:  # Transformer-XL: consecutive segments of streams over the split, with the memory
+            if stride is not None:
+                raise DataError("strided evaluation re-reads overlapping windows; a model with a Transformer-XL "
+                                "memory is evaluated over consecutive segments instead (leave out --stride)")
+            memory = model.create_cache(rows)
+            segments = self.dataset.streams(split, rows, self.seq_len)
+            segments = segments if max_batches is None else min(segments, max(0, max_batches))
+            batches = ((*self.dataset.stream_batch(split, rows, self.seq_len, j), None) for j in range(segments))
+        elif stride is None:
             batches = ((x, y, None) for x, y in self.dataset.iter_batches(split, rows, self.seq_len, max_batches))
         else:
             batches = self.dataset.iter_strided(split, rows, self.seq_len, stride, max_batches)
         for x, y, scored in batches:
             x, y = x.to(device), y.to(device)
-            logits = model(x)
+            logits = model(x, cache=memory) if memory is not None else model(x)
             if scored is not None:  # strided: the targets an earlier window scored are left out (ignore_index)
                 y = y.masked_fill(~scored.to(device), -100)
             n = y.numel() if scored is None else int(scored.sum())
