@@ -54,9 +54,15 @@ def test_training_carries_the_memory_and_resets_it_when_the_streams_wrap(dataset
         task.loss(model, task.get_batch(torch.Generator()))
         lengths.append(task.memory.length)
     assert lengths[:3] == [8, 16, 24] and lengths[segments] == 8  # forgotten at the wrap
-    assert task.state_dict() == {"segment": segments + 1}
-    task.load_state_dict({"segment": 5})
-    assert task.segment == 5 and task.memory is None  # resume: the stream continues, the memory starts empty
+    state = task.state_dict()
+    assert state["epoch"] == 1 and state["segment"] == 1 and 0 <= state["offset"] < 8  # the second pass, shifted
+    x, _ = task.get_batch(torch.Generator())
+    per_row = (dataset.num_tokens("train") - 1) // 2
+    ids = torch.from_numpy(dataset.tokens("train").astype("int64"))
+    assert torch.equal(x[1], ids[per_row + state["offset"] + 8:per_row + state["offset"] + 16])
+    task.load_state_dict({"epoch": 1, "segment": 5, "offset": 3})
+    assert (task.epoch, task.segment, task.offset) == (1, 5, 3)
+    assert task.memory is None  # resume: the stream continues, the memory starts empty
 
 
 def test_evaluation_with_memory_equals_one_forward_over_each_stream(dataset):

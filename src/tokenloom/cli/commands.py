@@ -306,9 +306,16 @@ def evaluate(args: argparse.Namespace) -> int:
         raise ConfigError(f"--stride must be at most the model's window of {seq_len} tokens, got {args.stride}")
     with tempfile.TemporaryDirectory(prefix="tokenloom-eval-") as tmp:
         dataset = TextDataset.prepare(path, tokenizer, tmp, val_fraction=data.get("val_fraction", 0.1))
-        task = LMTask(dataset, batch_size=args.batch_size or 16, seq_len=seq_len)
+        memory_len = getattr(model.config, "memory_len", 0)  # Transformer-XL: over streams, with its memory
+        rows = args.batch_size or 16
+        if memory_len and not args.batch_size:  # as many streams (of at least one segment) as the split holds
+            rows = max(1, min(rows, (dataset.num_tokens(args.split) - 1) // seq_len))
+        task = LMTask(dataset, batch_size=rows, seq_len=seq_len, memory_len=memory_len,
+                      order="stream" if memory_len else "random")
         targets = dataset.num_tokens(args.split) - 1
         windows = targets // seq_len  # the split's whole windows of seq_len tokens
+        if memory_len:  # segments x streams
+            windows = task.eval_split_batches(args.split) * task.batch_size
         if args.batches is not None:
             windows = min(windows, args.batches * task.batch_size)
         expected = (targets if args.stride is not None and args.batches is None else windows * seq_len) or None

@@ -240,23 +240,25 @@ class TextDataset:
             scored = torch.from_numpy(positions[None, :] >= np.asarray(first_new[rows])[:, None])
             yield x, y, scored
 
-    def streams(self, split: str, rows: int, seq_len: int) -> int:
-        """How many consecutive segments of ``seq_len`` each of ``rows`` contiguous streams of ``split`` holds (the
-        stream layout of :meth:`stream_batch`)."""
+    def streams(self, split: str, rows: int, seq_len: int, offset: int = 0) -> int:
+        """How many consecutive segments of ``seq_len`` each of ``rows`` contiguous streams of ``split`` holds, its
+        first ``offset`` tokens skipped (the stream layout of :meth:`stream_batch`)."""
         _check_sizes(rows, seq_len)
         per_row = (self._need(split, seq_len) - 1) // rows
-        if per_row < seq_len:
+        if per_row - offset < seq_len:
             raise DataError(f"the {split} split has {self.num_tokens(split)} tokens, too few for {rows} streams of "
                             f"at least seq_len + 1 = {seq_len + 1} tokens; use fewer rows or a shorter seq_len")
-        return per_row // seq_len
+        return (per_row - offset) // seq_len
 
-    def stream_batch(self, split: str, rows: int, seq_len: int, segment: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def stream_batch(self, split: str, rows: int, seq_len: int, segment: int,
+                     offset: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """Segment ``segment`` (taken modulo :meth:`streams`) of ``rows`` contiguous streams: the split cut into
-        ``rows`` equal parts, row r reading part r from its start, ``seq_len`` tokens per segment, so consecutive
-        segments continue each row's text (what segment-level recurrence, Transformer-XL, needs). x, y (B, T)."""
-        count = self.streams(split, rows, seq_len)
+        ``rows`` equal parts, row r reading part r from ``offset`` tokens into it, ``seq_len`` tokens per segment, so
+        consecutive segments continue each row's text (what segment-level recurrence, Transformer-XL, needs).
+        x, y (B, T)."""
+        count = self.streams(split, rows, seq_len, offset)
         per_row = (self.num_tokens(split) - 1) // rows
-        starts = np.arange(rows, dtype=np.int64) * per_row + (segment % count) * seq_len
+        starts = np.arange(rows, dtype=np.int64) * per_row + offset + (segment % count) * seq_len
         return self._windows(split, starts, seq_len)
 
     def _iter(self, split: str, batch_size: int, seq_len: int, num_windows: int,

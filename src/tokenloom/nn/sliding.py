@@ -10,8 +10,8 @@ causal model): every query sees them, and in a bidirectional model they see ever
 blocks of ``b`` positions, each block against only the ``b + W - 1`` keys (causal; ``b + 2 (W//2)`` bidirectional)
 its queries can reach, plus the g global keys, all blocks in one call of the layer's own attention backend with one
 (b, keys) mask shared by every block. Time and memory are linear in T (16k positions, W = 512, 8 heads x 64:
-~7x faster than full causal SDPA, measured on AMD EPYC Zen 4 with ``bench attention``). The first and last
-positions, whose reach crosses the sequence's ends or the global tokens, are computed as two small dense parts.
+6.5x faster than full causal SDPA, 260 vs 1,685 ms, measured on AMD EPYC Zen 4 with ``bench attention``). The
+first and last positions, whose reach crosses the sequence's ends or the global tokens, are two small dense parts.
 :func:`plan_attention` chooses between the two for a model's forward: a Band where it pays, else the dense mask.
 
 Shapes: B batch, H query heads, Hkv key/value heads, T positions, D head dim, b block, K keys of a block.
