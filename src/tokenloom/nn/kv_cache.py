@@ -377,21 +377,25 @@ class RollingKVCache:
             return KeySpan(0, T, None, valid, extent=extent)
         if T == 1:  # the ring itself, written first: every kept slot is inside the window of the new position
             self.mode = "step"
-            after = self.positions.clone()
-            after.scatter_(1, slot, pos)
-            empty = after[:, :S] < 0
-            return KeySpan(None, S, pos, ~empty if self.padded or self.length < S else None, windowed=True,
-                           key_positions=after[:, :S], extent=extent)
+            self._record(slot, pos)  # the slots' positions now: the layers read only their keys and values
+            self._pending = (None, None, count)
+            known = self.positions[:, :S]
+            return KeySpan(None, S, pos, known >= 0 if self.padded or self.length < S else None, windowed=True,
+                           key_positions=known, extent=extent)
         self.mode = "extend"
         keys_valid = torch.cat((self.positions[:, :S] >= 0,
                                 torch.ones(B, T, dtype=torch.bool, device=device) if valid is None else valid), 1)
         return KeySpan(None, S + T, pos, keys_valid, key_positions=torch.cat((self.positions[:, :S], pos), 1),
                        extent=extent)
 
+    def _record(self, slot: Tensor, pos: Tensor) -> None:
+        self.positions.scatter_(1, slot, pos)
+        self.positions[:, self.slots] = -1  # the spare slot holds nothing
+
     def advance(self, n: int) -> None:
         slot, pos, count = self._pending
-        self.positions.scatter_(1, slot, pos)
-        self.positions[:, self.slots] = -1
+        if slot is not None:  # (a step recorded its slots' positions already)
+            self._record(slot, pos)
         self.count, self.length, self._pending = count, self.length + n, None
 
     def reset(self) -> None:
