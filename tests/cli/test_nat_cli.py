@@ -102,7 +102,7 @@ def test_bench_translate_writes_one_matched_table(runs, tmp_path, capsys):
     (["translate", "{ar}", "--iterations", "4"], "iterations is an option of non-autoregressive models"),
     (["translate", "{cmlm}", "--beam", "3"], "beam is an option of autoregressive models"),
     (["translate", "{ctc}", "--length-beam", "2"], "a ctc model has no length candidates"),
-    (["translate", "{ctc}", "--iterations", "2"], "iterations is an option of cmlm models"),
+    (["translate", "{ctc}", "--iterations", "2"], "iterations is an option of cmlm, "),
     (["translate", "{cmlm}", "--rescore", "{ctc}"], "needs the autoregressive model"),
     (["distill", "{cmlm}", "--out", "{tmp}/d"], "distill from an autoregressive teacher"),
 ])
@@ -148,3 +148,94 @@ def test_ctc_pairs_whose_target_cannot_fit_are_counted_and_skipped(runs, tmp_pat
     records = [json.loads(line) for line in (tmp_path / "ctc1" / "metrics.jsonl").read_text().splitlines()]
     skipped = [r["skipped_pairs"] for r in records if "skipped_pairs" in r]
     assert skipped and skipped[-1] > 0
+
+
+# ---- the rest of the family: Levenshtein, Insertion, glancing, semi-autoregressive, deep-shallow -------------------
+
+@pytest.fixture(scope="module")
+def family(runs):
+    """Beside the teacher (1+1 layers): Levenshtein, Insertion, glancing NAT and glancing CTC on the distilled
+    corpus, a semi-autoregressive K = 2 model started from the teacher, and a deep-encoder / shallow-decoder AR model
+    (2+1 layers)."""
+    nat_data = {**DATA, "dir": str(runs / "distilled"), "tokenizer_from": str(runs / "ar")}
+    for name, model, data in (("levenshtein", {"kind": "levenshtein"}, {"iterations": 3}),
+                              ("insertion", {"kind": "insertion"}, {"iterations": 8}),
+                              ("glat", {"kind": "nat", "glancing_ratio": 0.5}, {"length_beam": 2}),
+                              ("glat-ctc", {"kind": "ctc", "glancing_ratio": 0.5}, {})):
+        recipe = _recipe(runs, name, "nat_translation", {**MODEL, "family": "nat", **model}, {**nat_data, **data})
+        assert main(["train", recipe, "--out", str(runs / name)]) == 0
+    distilled = {**DATA, "dir": str(runs / "distilled")}
+    sat = _recipe(runs, "sat", "translation", {**MODEL, "family": "semi_ar", "group_size": 2}, distilled,
+                  {"init_from": str(runs / "ar")})
+    assert main(["train", sat, "--out", str(runs / "sat")]) == 0
+    deep = _recipe(runs, "deep", "translation", {**MODEL, "encoder_layers": 2, "decoder_layers": 1}, distilled)
+    assert main(["train", deep, "--out", str(runs / "deep")]) == 0
+    return runs
+
+
+def test_bench_translate_puts_the_whole_family_in_one_table(family, tmp_path, capsys):
+    """One run measures every model: names tell the two AR models apart by their layers, speedups are relative to
+    the teacher's beam 5 and greedy, every row counts its decoder passes, and the Pareto rows are marked."""
+    out = tmp_path / "bench"
+    names = ["ar", "deep", "sat", "glat", "glat-ctc", "levenshtein", "insertion"]
+    assert main(["bench", "translate", *[str(family / n) for n in names], "--split", "test", "--limit", "6",
+                 "--latency-sentences", "2", "--batch", "4", "--out", str(out)]) == 0
+    rows = {r["model"]: r for r in csv.DictReader((out / "translate-bench.csv").open())}
+    assert list(rows) == ["AR 1+1 greedy", "AR 1+1 beam 5", "AR 2+1 greedy", "AR 2+1 beam 5", "SAT K=2 greedy",
+                          "GLAT NAT length beam 1", "GLAT NAT length beam 3",
+                          "GLAT NAT length beam 3, AR rescoring", "GLAT CTC one pass",
+                          "Levenshtein 3 iterations", "Levenshtein 10 iterations", "Insertion 64 iterations"]
+    beam5, greedy = rows["AR 1+1 beam 5"], rows["AR 1+1 greedy"]
+    assert beam5["speedup_vs_ar_beam5"] == "1.0" and greedy["speedup_vs_ar_greedy"] == "1.0"
+    assert beam5["bleu_vs_ar_beam5"] == "0.0"
+    for r in rows.values():
+        assert float(r["rounds"]) >= 1 and float(r["tokens"]) >= 0
+        assert float(r["speedup_vs_ar_greedy"]) == pytest.approx(
+            float(greedy["latency_ms"]) / float(r["latency_ms"]), abs=0.01)
+    assert float(rows["GLAT NAT length beam 1"]["rounds"]) == 1.0
+    assert float(rows["Levenshtein 3 iterations"]["rounds"]) <= 3
+    front = [r for r in rows.values() if r["pareto"] == "yes"]
+    assert front  # no row is faster and better than a frontier row
+    for r in front:
+        assert not any(float(o["latency_ms"]) < float(r["latency_ms"]) and float(o["bleu"]) > float(r["bleu"])
+                       for o in rows.values())
+    assert "| Pareto | run |" in (out / "translate-bench.md").read_text()
+
+
+@pytest.mark.parametrize("name", ["levenshtein", "insertion", "glat", "glat-ctc", "sat", "deep"])
+def test_every_family_member_translates_and_keeps_empty_lines(family, tmp_path, capsys, name):
+    source = tmp_path / "in.xx"
+    source.write_text("red dog runs\n\nthe big cat\n")
+    assert main(["translate", str(family / name), "--input", str(source)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert len(lines) == 3 and lines[1] == ""
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["translate", "{sat}", "--beam", "3"], "greedy"),
+    (["translate", "{levenshtein}", "--iterations", "0"], "iterations must be >= 1, got 0"),
+    (["translate", "{insertion}", "--iterations", "0"], "iterations must be >= 1, got 0"),
+    (["translate", "{levenshtein}", "--length-beam", "2"], "a levenshtein model has no length candidates"),
+])
+def test_family_decoding_options_are_one_line_errors(family, tmp_path, capsys, argv, needle):
+    source = tmp_path / "in.xx"
+    source.write_text("red dog\n")
+    args = [a.format(sat=family / "sat", levenshtein=family / "levenshtein", insertion=family / "insertion")
+            for a in argv]
+    assert main(args + ["--input", str(source)]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("model,data,needle", [
+    ({"family": "semi_ar", "group_size": 40}, {}, "group_size must be an integer from 1 to max_target_len=32, "
+                                                  "got 40"),
+    ({"family": "nat", "kind": "cmlm", "glancing_ratio": 0.5}, {}, "glancing_ratio=0.5 applies to kinds"),
+])
+def test_family_config_errors_are_one_line(runs, tmp_path, capsys, model, data, needle):
+    task = "translation" if model["family"] == "semi_ar" else "nat_translation"
+    extra = {} if task == "translation" else {"tokenizer_from": str(runs / "ar")}
+    recipe = _recipe(tmp_path, "bad", task, {**MODEL, **model}, {**DATA, "dir": str(runs / "distilled"), **extra})
+    assert main(["train", recipe, "--out", str(tmp_path / "bad")]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and len(err.strip().splitlines()) == 1

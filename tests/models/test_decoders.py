@@ -8,7 +8,8 @@ import tokenloom.models  # noqa: F401 - registers the families
 from tokenloom.errors import RegistryError
 from tokenloom.models.registry import DECODERS, MODELS, declare_decoding, decoding_of
 
-EXPECTED = {"gpt": "causal_lm", "seq2seq": "encoder_decoder", "nat": "parallel", "vit": None, "swin": None}
+EXPECTED = {"gpt": "causal_lm", "seq2seq": "encoder_decoder", "nat": "parallel", "semi_ar": "semi_autoregressive",
+            "vit": None, "swin": None}
 
 
 @pytest.mark.parametrize("family", MODELS.names())

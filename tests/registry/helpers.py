@@ -143,7 +143,7 @@ def outputs(family: str, model: nn.Module, seed: int = 1, device: torch.device |
         logits = model(ids)
         assert logits.shape == (B, 12, c.vocab_size)
         return [logits]
-    if kind == "encoder_decoder":
+    if kind in ("encoder_decoder", "semi_autoregressive"):  # teacher forcing from [BOS] y (semi_ar shifts it)
         src, mask = source_batch(c, gen, device)
         tgt = torch.randint(3, c.vocab_size, (B, 6), generator=gen)
         tgt[:, 0] = c.bos_id

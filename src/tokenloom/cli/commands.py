@@ -451,7 +451,7 @@ def _write_output(out: Path, text: str) -> None:
 def decoding_options(args: argparse.Namespace, model, tokenizer, precision: str = "fp32") -> dict:
     """translate()'s keyword arguments from --beam / --iterations / --length-beam / --rescore; options of the
     other kind of model are one-line errors."""
-    from ..tasks.translation import DEFAULT_BEAM, check_decoding_options
+    from ..tasks.translation import check_decoding_options, default_beam
 
     beam = getattr(args, "beam", None)
     if beam is not None and beam < 1:
@@ -466,7 +466,7 @@ def decoding_options(args: argparse.Namespace, model, tokenizer, precision: str 
                               "trained with (data.tokenizer_from)")
     parallel = decoding_of(model) == "parallel"
     if not parallel:
-        options["beam"] = DEFAULT_BEAM if beam is None else beam
+        options["beam"] = default_beam(model) if beam is None else beam
     elif beam is not None:
         options["beam"] = beam  # refused below
     options.update(check_decoding_options(model, **options))  # the defaults of parallel decoding filled in

@@ -61,10 +61,14 @@ def load_inference_model(checkpoint: str | Path, precision: str, device: str = "
 def translation_model(checkpoint: str | Path, precision: str, device: str = "auto"):
     """(checkpoint directory, model, tokenizer) of an encoder-decoder or NAT checkpoint; a one-line error for
     another family."""
+    from ..models.registry import MODELS, decoding_of
+    from ..tasks.translation import BATCH_DECODINGS
+
     ckpt = resolve_checkpoint(checkpoint)
     family = (read_config(ckpt).get("model") or {}).get("family", "gpt")
-    if family not in ("seq2seq", "nat"):
-        raise ConfigError(f"{ckpt} holds a {family!r} model; translation needs an encoder-decoder (family seq2seq "
-                          f"or nat)")
+    families = [name for name in MODELS.names() if decoding_of(MODELS.get(name)[1]) in BATCH_DECODINGS]
+    if family not in families:
+        raise ConfigError(f"{ckpt} holds a {family!r} model; translation needs an encoder-decoder (family "
+                          f"{', '.join(families)})")
     model, _ = load_inference_model(ckpt, precision, device)
     return ckpt, model, load_tokenizer(ckpt)

@@ -114,17 +114,49 @@ def distill(args: argparse.Namespace) -> int:
 
 # ---- bench translate --------------------------------------------------------------------------------
 
+def _parallel_name(model) -> str:
+    kind = NAT_KINDS.get(model.config.kind).name
+    return f"GLAT {kind}" if model.config.glancing_ratio else kind
+
+
+# per decoding kind: the model's name in the table, and the decodings it contributes (translate's keyword arguments;
+# rescore=True: with the autoregressive teacher as rescorer, offered when it shares the vocabulary)
+BENCH_NAMES = {"encoder_decoder": lambda model: "AR", "parallel": _parallel_name,
+               "semi_autoregressive": lambda model: f"SAT K={model.config.group_size}"}
+BENCH_VARIANTS = {
+    "encoder_decoder": lambda model, can_rescore: [dict(beam=1), dict(beam=5)],
+    "parallel": lambda model, can_rescore: NAT_KINDS.get(model.config.kind).bench_variants(can_rescore),
+    "semi_autoregressive": lambda model, can_rescore: [dict(beam=1)],  # greedy within groups
+}
+
+
 def _variants(model, can_rescore: bool) -> list[dict]:
     """The decodings a model contributes to the table: greedy and beam 5 for an autoregressive one, its kind's
-    (``NATKind.bench_variants``) for a non-autoregressive one."""
-    if decoding_of(model) != "parallel":
-        return [dict(beam=1), dict(beam=5)]
-    return NAT_KINDS.get(model.config.kind).bench_variants(can_rescore)
+    (``NATKind.bench_variants``) for a non-autoregressive one, greedy (within groups) for a semi-autoregressive
+    one."""
+    return BENCH_VARIANTS[decoding_of(model)](model, can_rescore)
 
 
-def _label(model, options: dict) -> str:
-    name = NAT_KINDS.get(model.config.kind).name if decoding_of(model) == "parallel" else "AR"
-    return f"{name} {describe_decoding(options)}"
+def _model_names(models: list) -> list[str]:
+    """Each model's name in the table (``BENCH_NAMES``: AR, NAT, GLAT NAT, CMLM, SAT K=2, ...); names that more
+    than one model of the run would share get the layers (``AR 6+1``), then the run's folder."""
+    names = [BENCH_NAMES[decoding_of(model)](model) for _, model, _ in models]
+    for add in (lambda ckpt, m: f"{m.config.encoder_layers}+{m.config.decoder_layers}",
+                lambda ckpt, m: Path(ckpt).name):
+        shared = {n for n in names if names.count(n) > 1}
+        names = [f"{n} {add(ckpt, m)}" if n in shared else n for n, (ckpt, m, _) in zip(names, models, strict=True)]
+    return names
+
+
+def _label(model, options: dict, name: str | None = None) -> str:
+    return f"{name or BENCH_NAMES[decoding_of(model)](model)} {describe_decoding(options)}"
+
+
+def _pareto(rows: list[dict]) -> list[bool]:
+    """Which rows are on the speed/quality Pareto frontier: no other row is as fast (batch-1 latency) and better
+    (BLEU), or faster and as good."""
+    return [not any(o is not r and o["latency_ms"] <= r["latency_ms"] and o["bleu"] >= r["bleu"]
+                    and (o["latency_ms"] < r["latency_ms"] or o["bleu"] > r["bleu"]) for o in rows) for r in rows]
 
 
 LATENCY_ROUNDS = 5  # bench translate: the latency sentences are split into this many blocks, timed in turns
@@ -139,16 +171,19 @@ def bench_translate(args: argparse.Namespace) -> int:
             raise ConfigError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     models = [translation_model(path, args.precision, args.device) for path in args.runs]
     sources, references = _bench_split(models, args.split, args.limit)
-    teacher, teacher_tokenizer = next(((m, t) for _, m, t in models if decoding_of(m) != "parallel"),
+    teacher, teacher_tokenizer = next(((m, t) for _, m, t in models if decoding_of(m) == "encoder_decoder"),
                                       (None, None))
     runs = []  # (checkpoint, model, tokenizer, options, label) per decoding measured
-    for ckpt, model, tokenizer in models:
+    reference = {}  # "beam5" / "greedy": the index in runs of the first autoregressive model's decodings
+    for (ckpt, model, tokenizer), name in zip(models, _model_names(models), strict=True):
         shares_vocabulary = teacher is not None and tokenizer.fingerprint == teacher_tokenizer.fingerprint
         for variant in _variants(model, shares_vocabulary):
             options = {k: v for k, v in variant.items() if k != "rescore"}
             if variant.get("rescore"):
                 options["rescorer"] = teacher
-            runs.append((ckpt, model, tokenizer, options, _label(model, options)))
+            if model is teacher:
+                reference.setdefault({5: "beam5", 1: "greedy"}.get(options.get("beam"), "other"), len(runs))
+            runs.append((ckpt, model, tokenizer, options, _label(model, options, name)))
     latency_set = sources[:args.latency_sentences]
     torch.manual_seed(0)
     with torch.inference_mode():
@@ -157,9 +192,13 @@ def bench_translate(args: argparse.Namespace) -> int:
     for row, seconds in zip(rows, latencies, strict=True):
         row["latency_ms"] = round(1000 * statistics.mean(seconds), 2)
         print(f"  {row['model']:<38} {row['latency_ms']:8.1f} ms/sentence (batch 1)", file=sys.stderr, flush=True)
-    base = next((r for r in rows if r["model"] == "AR beam 5"), None)
+    beam5, greedy = (rows[reference[k]] if k in reference else None for k in ("beam5", "greedy"))
     for r in rows:
-        r["speedup_vs_ar_beam5"] = round(base["latency_ms"] / r["latency_ms"], 2) if base else None
+        r["bleu_vs_ar_beam5"] = round(r["bleu"] - beam5["bleu"], 2) if beam5 else None
+        r["speedup_vs_ar_beam5"] = round(beam5["latency_ms"] / r["latency_ms"], 2) if beam5 else None
+        r["speedup_vs_ar_greedy"] = round(greedy["latency_ms"] / r["latency_ms"], 2) if greedy else None
+    for r, front in zip(rows, _pareto(rows), strict=True):
+        r["pareto"] = "yes" if front else ""
     _bench_report(rows, args, len(sources), len(latency_set))
     return 0
 
@@ -191,15 +230,18 @@ def _bench_quality(run: tuple, sources: list[str], references: list[str], warm: 
     order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
     start = time.perf_counter()
     hypotheses = [""] * len(sources)
+    rounds: list[int] = []  # decoder passes per sentence (translate's rounds)
     for i in range(0, len(order), batch):
         chunk = order[i:i + batch]
         for j, h in zip(chunk, translate(model, tokenizer, [sources[k] for k in chunk], **options,
-                                         max_tokens=1 << 30), strict=True):
+                                         max_tokens=1 << 30, rounds=rounds), strict=True):
             hypotheses[j] = h
     seconds = time.perf_counter() - start
     scores = compute_metrics(["bleu", "chrf"], hypotheses, references).scores
     row = dict(run=str(ckpt), model=label, bleu=round(scores["bleu"], 2), chrf=round(scores["chrf"], 2),
-               throughput=round(len(sources) / seconds, 1))
+               throughput=round(len(sources) / seconds, 1),
+               rounds=round(statistics.mean(rounds), 2) if rounds else None,
+               tokens=round(statistics.mean(len(tokenizer.encode(h)) for h in hypotheses), 2))
     print(f"  {label:<38} BLEU {row['bleu']:6.2f}  chrF {row['chrf']:6.2f}  "
           f"{row['throughput']:8.1f} sentences/s (batch {batch})", file=sys.stderr, flush=True)
     return row
@@ -229,9 +271,12 @@ def _bench_report(rows: list[dict], args: argparse.Namespace, sentences: int, la
     """The table on stdout; with ``--out``, translate-bench.md, .csv and .png there."""
     from ..hardware import machine
 
-    header = ["model", "bleu", "chrf", "latency_ms", "throughput", "speedup_vs_ar_beam5", "run"]
-    titles = ["model / decoding", "BLEU", "chrF", f"ms/sentence (batch 1, {latency_sentences} sent.)",
-              f"sentences/s (batch {args.batch})", "speedup vs AR beam 5 (batch 1)", "run"]
+    header = ["model", "bleu", "bleu_vs_ar_beam5", "chrf", "latency_ms", "throughput", "speedup_vs_ar_beam5",
+              "speedup_vs_ar_greedy", "rounds", "tokens", "pareto", "run"]
+    titles = ["model / decoding", "BLEU", "BLEU vs AR beam 5", "chrF",
+              f"ms/sentence (batch 1, {latency_sentences} sent.)",
+              f"sentences/s (batch {args.batch})", "speedup vs AR beam 5 (batch 1)", "speedup vs AR greedy (batch 1)",
+              "decoder passes/sentence", "tokens/sentence", "Pareto", "run"]
     lines = ["| " + " | ".join(titles) + " |", "|" + "---|" * len(titles)]
     lines += ["| " + " | ".join(str(r[k]) if r[k] is not None else "-" for k in header) + " |" for r in rows]
     table = "\n".join(lines)
@@ -255,15 +300,21 @@ def _scatter(rows: list[dict], path: Path) -> None:
     plt = pyplot("speed/quality plot")
     if plt is None:
         return
-    fig, ax = plt.subplots(figsize=(7, 4.5))
+    fig, ax = plt.subplots(figsize=(8, 5))
     for r in rows:
-        ax.scatter(r["latency_ms"], r["bleu"])
+        front = r["pareto"] == "yes"
+        ax.scatter(r["latency_ms"], r["bleu"], marker="*" if front else "o", s=90 if front else 30)
         ax.annotate(r["model"], (r["latency_ms"], r["bleu"]), textcoords="offset points", xytext=(4, 4),
                     fontsize=7)
+    front = sorted((r["latency_ms"], r["bleu"]) for r in rows if r["pareto"] == "yes")
+    if front:
+        ax.step([x for x, _ in front], [y for _, y in front], where="post", color="black", alpha=0.4, linewidth=1,
+                label="Pareto frontier (no row faster and better)")
+        ax.legend(fontsize=7, loc="lower right")
     ax.set_xscale("log")
     ax.set_xlabel("latency per sentence at batch 1 (ms, log scale)")
     ax.set_ylabel("BLEU")
-    ax.set_title("speed / quality")
+    ax.set_title("speed / quality (stars: the Pareto frontier)")
     ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

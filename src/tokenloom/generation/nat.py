@@ -11,8 +11,10 @@
   predicted again (only masked positions change, with their probabilities); T = 1 is the plain parallel argmax;
 * ``ctc`` (kind ctc): one argmax pass over the upsampled source, repeats merged, blanks dropped.
 
-A decoding is ``decode(model, source, source_mask, memory, *, iterations, length_beam, rescorer)`` -> token ids
-per sentence; those over length candidates share :func:`decode_length_candidates`.
+A decoding is ``decode(model, source, source_mask, memory, *, iterations, length_beam, rescorer, rounds)`` ->
+token ids per sentence (``rounds``: None, or a list to which it appends the decoder rounds each sentence used);
+those over length candidates share :func:`decode_length_candidates`. The edit-based decodings live in their own
+modules (:mod:`.levenshtein`, :mod:`.insertion`), imported at the end of this one so they register.
 
 Shapes: source (B, S) ids right-padded, source_mask (B, S); results are lists of token ids per sentence
 (no BOS / EOS / padding).
@@ -30,22 +32,12 @@ from ..errors import GenerationError
 from ..models.nat import NonAutoregressiveTransformer
 from ..models.nat_kinds import NAT_KINDS
 from ..models.nat_kinds.ctc import ctc_collapse
-from ..registry import Registry
+from .parallel import NAT_DECODINGS, NATDecoding, ban, record_rounds  # noqa: F401 (importable from here too)
 
-# (model, source, source_mask, memory, *, iterations, length_beam, rescorer) -> token ids per sentence
-NATDecoding = Callable[..., list[list[int]]]
-NAT_DECODINGS: Registry[NATDecoding] = Registry("nat decoding")
 # (model, source, source_mask, memory, lengths, scored) -> (tokens (N, T), log-probabilities (N, T) or None when
 # not scored, real-position mask (N, T)) for N rows of length candidates
 CandidateFill = Callable[[NonAutoregressiveTransformer, Tensor, Tensor, Tensor, Tensor, bool],
                          tuple[Tensor, Tensor | None, Tensor]]
-
-
-def ban(logits: Tensor, ids: list[int]) -> Tensor:
-    """``logits`` (..., V) with the columns ``ids`` set to -inf (in place)."""
-    if ids:
-        logits.index_fill_(-1, torch.tensor(ids, device=logits.device), float("-inf"))
-    return logits
 
 
 def remask(log_probs: Tensor, real: Tensor, lengths: Tensor, iteration: int, iterations: int) -> Tensor:
@@ -110,11 +102,14 @@ def rescore(rescorer: nn.Module, source: Tensor, source_mask: Tensor, tokens: Te
 
 @torch.no_grad()
 def nat_decode(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, *, iterations: int = 10,
-               length_beam: int = 1, rescorer: nn.Module | None = None) -> list[list[int]]:
+               length_beam: int = 1, rescorer: nn.Module | None = None,
+               rounds: list[int] | None = None) -> list[list[int]]:
     """Translate a batch of sources in parallel with the decoding of the model's kind; see the module docstring.
     ``iterations`` applies to mask_predict (cmlm), ``length_beam`` to decodings over length candidates (nat,
     cmlm), ``rescorer`` (an autoregressive model on the same vocabulary) picks among the length candidates instead
-    of their own average log-probability."""
+    of their own average log-probability. ``rounds``, when given, gets the decoder rounds each sentence used
+    appended (in batch order; :func:`record_rounds`): 1 for one pass, the iterations of Mask-Predict, the
+    rounds until nothing changed for the edit-based decodings."""
     if iterations < 1:
         raise GenerationError(f"iterations must be >= 1, got {iterations}")
     if length_beam < 1:
@@ -122,7 +117,7 @@ def nat_decode(model: NonAutoregressiveTransformer, source: Tensor, source_mask:
     decode = NAT_DECODINGS.get(NAT_KINDS.get(model.config.kind).decoding)
     memory = model.encode(source, source_mask)
     return decode(model, source, source_mask, memory, iterations=iterations, length_beam=length_beam,
-                  rescorer=rescorer)
+                  rescorer=rescorer, rounds=rounds)
 
 
 def decode_length_candidates(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor,
@@ -163,15 +158,19 @@ def argmax_fill(model: NonAutoregressiveTransformer, source: Tensor, source_mask
 
 @NAT_DECODINGS.register("argmax")
 def argmax_decoding(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, memory: Tensor, *,
-                    iterations: int, length_beam: int, rescorer: nn.Module | None) -> list[list[int]]:
+                    iterations: int, length_beam: int, rescorer: nn.Module | None,
+                    rounds: list[int] | None = None) -> list[list[int]]:
     """One argmax pass per length candidate (``iterations`` does not apply)."""
+    record_rounds(rounds, source.shape[0], 1)
     return decode_length_candidates(model, source, source_mask, memory, length_beam, rescorer, argmax_fill)
 
 
 @NAT_DECODINGS.register("mask_predict")
 def mask_predict_decoding(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, memory: Tensor,
-                          *, iterations: int, length_beam: int, rescorer: nn.Module | None) -> list[list[int]]:
+                          *, iterations: int, length_beam: int, rescorer: nn.Module | None,
+                          rounds: list[int] | None = None) -> list[list[int]]:
     """Mask-Predict (:func:`mask_predict`, ``iterations``) per length candidate."""
+    record_rounds(rounds, source.shape[0], iterations)
 
     def fill(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, memory: Tensor,
              lengths: Tensor, scored: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -182,12 +181,17 @@ def mask_predict_decoding(model: NonAutoregressiveTransformer, source: Tensor, s
 
 @NAT_DECODINGS.register("ctc")
 def ctc_decoding(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, memory: Tensor, *,
-                 iterations: int, length_beam: int, rescorer: nn.Module | None) -> list[list[int]]:
+                 iterations: int, length_beam: int, rescorer: nn.Module | None,
+                 rounds: list[int] | None = None) -> list[list[int]]:
     """One argmax pass over the decoder inputs of the source alone, repeats merged, blanks dropped (the options
     do not apply)."""
+    record_rounds(rounds, source.shape[0], 1)
     c = model.config
     inputs, decoder_mask = model.decoder_inputs(source, source_mask)
     logits = ban(model.decode_parallel(inputs, decoder_mask, memory, source_mask).float(), c.banned_ids)
     best = logits.argmax(-1)
     lengths = decoder_mask.sum(1).tolist()
     return [ctc_collapse(best[b, :lengths[b]].tolist(), c.blank_id) for b in range(source.shape[0])]
+
+
+from . import insertion, levenshtein  # noqa: E402, F401  (their decodings register themselves in NAT_DECODINGS)

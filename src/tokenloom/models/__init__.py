@@ -3,10 +3,11 @@
 from .gpt import GPT, GPT_PRESETS, GPTConfig
 from .nat import NATConfig, NonAutoregressiveTransformer
 from .registry import MODELS
+from .semi_ar import SemiARConfig, SemiAutoregressiveTransformer
 from .seq2seq import EncoderDecoder, Seq2SeqCache, Seq2SeqConfig, Seq2SeqDecoder
 from .swin import SWIN_PRESETS, Swin, SwinConfig
 from .vit import VIT_PRESETS, ViT, ViTConfig
 
 __all__ = ["GPT", "GPT_PRESETS", "EncoderDecoder", "GPTConfig", "MODELS", "NATConfig", "NonAutoregressiveTransformer",
-           "SWIN_PRESETS", "Seq2SeqCache",
+           "SWIN_PRESETS", "SemiARConfig", "SemiAutoregressiveTransformer", "Seq2SeqCache",
            "Seq2SeqConfig", "Seq2SeqDecoder", "Swin", "SwinConfig", "VIT_PRESETS", "ViT", "ViTConfig"]

@@ -15,6 +15,13 @@ the special ids needed, the training loss and the parallel decoding; this class 
   re-masking of the least confident tokens (:mod:`tokenloom.generation.nat`).
 * ``ctc`` (Libovický & Helcl 2018): the decoder reads the source embeddings, each repeated ``ctc_upsample``
   times (T = k * S); trained with CTC over a ``<blank>`` token; decoding collapses repeats and drops blanks.
+* ``levenshtein`` (Gu et al. 2019): edit-based; from ``[BOS, EOS]``, rounds of deletion, placeholder insertion
+  and fill, with a deletion and a placeholder classifier beside the shared decoder (``kind_heads``); trained by
+  imitation of the optimal insertion/deletion edits.
+* ``insertion`` (Stern et al. 2019): from ``[BOS, EOS]``, every slot between adjacent tokens inserts a token or
+  says end-of-slot (the ``<blank>`` id), in parallel rounds (~log2 n); trained with the balanced-binary-tree loss.
+
+``nat`` and ``ctc`` also train with glancing (GLAT, ``glancing_ratio``; :mod:`.nat_kinds.glancing`).
 
 A new kind is one file in :mod:`tokenloom.models.nat_kinds` that registers itself.
 
@@ -57,12 +64,15 @@ class NATConfig(Seq2SeqConfig):
     """A non-autoregressive encoder-decoder (``model:`` with ``family: nat``): the encoder-decoder's settings plus
     the kind (``nat`` with length prediction, ``cmlm`` Mask-Predict, ``ctc``) and its options."""
 
-    kind: str = "cmlm"  # a name in NAT_KINDS (tokenloom.models.nat_kinds): nat | cmlm | ctc
+    kind: str = "cmlm"  # a name in NAT_KINDS (tokenloom.models.nat_kinds): nat | cmlm | ctc | levenshtein | insertion
     decoder_input: str = "copy"  # nat: copy (uniform copy of the source embeddings) | position (queries only)
     length_prediction: str = "offset"  # offset (target - source length) | classify (the target length)
     max_length_offset: int = 32  # offsets predicted in [-m, m] (longer gaps are clamped)
     length_loss_weight: float = 0.1  # weight of the length predictor's cross-entropy in the loss
     ctc_upsample: int = 3  # ctc: decoder positions per source position
+    # glancing training (GLAT, Qian et al. 2021; kinds nat, ctc): glance floor(lambda * d) reference tokens
+    # into the decoder inputs, d the first pass's distance to the reference (nat_kinds/glancing.py); 0 = off
+    glancing_ratio: float = 0.0
     mask_id: int = -1  # cmlm: the <mask> id (the task sets it past the tokenizer's vocabulary)
     blank_id: int = -1  # ctc: the <blank> id (likewise)
 
@@ -79,6 +89,11 @@ class NATConfig(Seq2SeqConfig):
         check(self.length_loss_weight >= 0, f"length_loss_weight must be >= 0, got {self.length_loss_weight}")
         check(isinstance(self.ctc_upsample, int) and self.ctc_upsample >= 1,
               f"ctc_upsample must be a positive integer, got {self.ctc_upsample!r}")
+        check(0.0 <= self.glancing_ratio <= 1.0, f"glancing_ratio must be in [0, 1], got {self.glancing_ratio}")
+        if self.glancing_ratio and not NAT_KINDS.get(self.kind).glances:
+            takers = ", ".join(name for name in NAT_KINDS if NAT_KINDS.get(name).glances)
+            check(False, f"glancing_ratio={self.glancing_ratio} applies to kinds {takers} (single-pass decoders); "
+                  f"this model is {self.kind}")
         for name in ("mask_id", "blank_id"):  # -1: not set yet (the nat_translation task sets them)
             value = getattr(self, name)
             check(value == -1 or 0 <= value < self.vocab_size,
@@ -112,7 +127,9 @@ class NonAutoregressiveTransformer(EncoderDecoder):
     def __init__(self, config: NATConfig) -> None:
         config.check_special_ids()
         super().__init__(config)
-        has_head = NAT_KINDS.get(config.kind).has_length_head
+        kind = NAT_KINDS.get(config.kind)
+        has_head = kind.has_length_head
+        self.kind_heads = nn.ModuleDict(kind.heads(config))  # what the kind adds (NATKind.heads); often none
         self.length_head = nn.Linear(config.embed_dim, config.num_length_classes) if has_head else None
         if self.length_head is not None:
             nn.init.normal_(self.length_head.weight, std=0.02)

@@ -3,8 +3,9 @@ model class) pair so a checkpoint's ``config.yaml`` can name its family.
 
 ``DECODERS``: how a model class decodes, declared once where the class is defined and never probed with
 ``hasattr``: ``causal_lm`` (one token at a time from a prompt: generate, beam search, the serving engine),
-``encoder_decoder`` (autoregressive over an encoded source: translate, beam search) and ``parallel`` (all target
-positions at once: NAT, Mask-Predict, CTC). Classes that cannot decode (image classifiers) declare nothing::
+``encoder_decoder`` (autoregressive over an encoded source: translate, beam search), ``parallel`` (all target
+positions at once: NAT, Mask-Predict, CTC) and ``semi_autoregressive`` (K target tokens per step: semi_ar).
+Classes that cannot decode (image classifiers) declare nothing::
 
     @declare_decoding("causal_lm")
     class GPT(nn.Module): ...
@@ -25,6 +26,7 @@ DECODERS: Registry[str] = Registry("decoding kind")  # kind -> what it means
 DECODERS.register("causal_lm")("one token at a time after a prompt (generate, beam search, the serving engine)")
 DECODERS.register("encoder_decoder")("autoregressive over an encoded source (translate, beam search)")
 DECODERS.register("parallel")("every target position at once (NAT, Mask-Predict, CTC)")
+DECODERS.register("semi_autoregressive")("K tokens per step over an encoded source (semi-autoregressive translate)")
 _DECLARED: dict[type, str] = {}  # model class -> its kind
 
 M = TypeVar("M", bound=type)

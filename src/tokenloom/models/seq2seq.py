@@ -118,6 +118,8 @@ class EncoderDecoder(nn.Module):
     """Source embedding -> encoder blocks -> memory; target embedding -> decoder blocks (self-attention,
     cross-attention, MLP) -> vocabulary logits."""
 
+    decoder_group: int = 1  # the decoder's self-attention is causal over groups of this many positions (semi_ar)
+
     def __init__(self, config: Seq2SeqConfig) -> None:
         super().__init__()
         self.config = c = config
@@ -236,9 +238,9 @@ class EncoderDecoder(nn.Module):
         if positions is None:
             positions = torch.arange(span.past, span.keys, device=target.device)[None].expand(B, T)
         steps = None
-        if T == 1 and cache is not None and not self.training:
-            steps = step_functions(self, cache, lambda: (self.decoder, self.decoder_norm, self.lm_head))
-        if steps is None:
+        if T == self.decoder_group and cache is not None and not self.training:  # one step: 1 token (K: a group)
+            steps = step_functions(self, cache, lambda: (self.decoder, self.decoder_norm, self.lm_head), T)
+        if steps is None or T > 1:
             x = self._embed(target, self.tgt_embed, self.tgt_position, positions)
         else:  # one position per row, (B, C)
             x = torch.embedding(self.tgt_embed.weight, target.view(B))
@@ -249,15 +251,15 @@ class EncoderDecoder(nn.Module):
                 x = x + added.view(B, -1)
         dtype = self._mask_dtype(x)
         mask, is_causal = attention_mask_for(span, T, causal=True, position=self.tgt_position, dtype=dtype,
-                                             device=target.device)
+                                             device=target.device, group=self.decoder_group)
         memory_mask = cache.memory_mask if cache is not None else self.memory_mask(source_mask, dtype)
         ctx = Context(mask, is_causal, self.tgt_position.rotary(positions), memory_mask=memory_mask)
         if steps is not None:
             mask, rope = ctx.mask, ctx.rope
             for block, layer, kv in zip(steps.blocks, cache.layers, cache.memory, strict=True):
                 x = block(x, Context(mask, False, rope, layer, kv, memory_mask))
-            cache.advance(1)
-            return steps.head(steps.final_norm(x)).view(B, 1, -1)
+            cache.advance(T)
+            return steps.head(steps.final_norm(x)).view(B, T, -1)
         if cache is None and plain_eval(self.decoder):  # teacher forcing in eval mode (validation, rescoring)
             for block in self.decoder:
                 x = block.bind()(x, ctx._replace(memory=MemoryLayer(*block.cross_attn.memory_kv(memory))))

@@ -224,13 +224,15 @@ class StepFunctions(NamedTuple):
 _STEPS: dict[int, tuple] = {}
 
 
-def step_functions(model: nn.Module, cache,
-                   parts: Callable[[], tuple[nn.ModuleList, nn.Module, nn.Linear]]) -> StepFunctions | None:
+def step_functions(model: nn.Module, cache, parts: Callable[[], tuple[nn.ModuleList, nn.Module, nn.Linear]],
+                   positions: int = 1) -> StepFunctions | None:
     """The plain one-token step of ``model`` (``parts()``: its blocks, final norm and output layer) for
     ``cache``'s batch size, built on first use and kept while ``cache`` lives (beam search's ``select``, which
     changes the batch size, builds it anew); None when forward hooks watch a submodule (the modules run then).
-    The one builder behind every model's fast decode path: nothing is stored on the cache or the model."""
-    rows = cache.batch_size
+    With ``positions`` K > 1 the same functions serve steps of K positions per row (x (B, K, C): B * K rows for
+    the linear layers; a semi-autoregressive model's groups). The one builder behind every model's fast decode
+    path: nothing is stored on the cache or the model."""
+    rows = cache.batch_size * positions
     entry = _STEPS.get(id(cache))
     if entry is not None and entry[0]() is cache and entry[1] is model and entry[2] == rows:
         return entry[3]

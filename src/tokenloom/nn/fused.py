@@ -70,8 +70,8 @@ _PREPARED: dict[int, tuple[weakref.ref, int, int, str, Tensor]] = {}
 
 def decode_linear(weight: Tensor, bias: Tensor | None, rows: int | None = None) -> Callable[[Tensor], Tensor]:
     """A plain function ``x (rows, in) -> F.linear(x, weight, bias)`` for eval-mode decode steps (a few rows per
-    call), through the kernel measured fastest here for the weight's dtype and the row count (2 threads, fp32
-    and bf16, 1 and 8 rows, 128-3,072 wide):
+    call; x (B, K, in) for steps of K positions per row, rows = B * K), through the kernel measured fastest here
+    for the weight's dtype and the row count (2 threads, fp32 and bf16, 1 and 8 rows, 128-3,072 wide):
 
     * bfloat16: oneDNN on a weight pre-packed once into its blocked layout (``mkldnn._reorder_linear_weight``,
       what ``torch.compile(freezing=True)`` swaps in). Plain bf16 ``F.linear`` reads the weight at 10-14 GB/s
@@ -121,10 +121,12 @@ def decode_linear(weight: Tensor, bias: Tensor | None, rows: int | None = None) 
             return _OPS(x, prepared(), bias, "none", [], "")
     else:
         def run(x: Tensor) -> Tensor:
-            if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu") or x.dim() != 2:
+            if torch.is_grad_enabled() or torch.is_autocast_enabled("cpu"):
                 return F.linear(x, weight, bias)
             w_t = prepared()
-            return torch.mm(x, w_t) if bias is None else torch.addmm(bias, x, w_t)
+            flat = x if x.dim() == 2 else x.reshape(-1, x.shape[-1])  # (B, K, in): a K-token step's B*K rows
+            out = torch.mm(flat, w_t) if bias is None else torch.addmm(bias, flat, w_t)
+            return out if x.dim() == 2 else out.view(*x.shape[:-1], out.shape[-1])
     return run
 
 

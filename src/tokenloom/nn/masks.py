@@ -14,12 +14,19 @@ import torch
 from torch import Tensor
 
 
-def causal_mask(q_len: int, k_len: int, device: torch.device | None = None) -> Tensor:
-    """(Tq, Tk) bool: query i (the last ``q_len`` of ``k_len`` positions) sees keys ``<= k_len - q_len + i``."""
+def causal_mask(q_len: int, k_len: int, device: torch.device | None = None, group: int = 1) -> Tensor:
+    """(Tq, Tk) bool: query i (the last ``q_len`` of ``k_len`` positions) sees keys ``<= k_len - q_len + i``;
+    with ``group`` > 1 (group-causal), every key of its own and earlier groups of ``group`` positions."""
     offset = k_len - q_len
-    q = torch.arange(q_len, device=device)[:, None] + offset
+    q = group_end(torch.arange(q_len, device=device)[:, None] + offset, group)
     k = torch.arange(k_len, device=device)[None, :]
     return k <= q
+
+
+def group_end(index: Tensor, group: int) -> Tensor:
+    """The last position of each index's group of ``group`` positions (the index itself for ``group`` 1): a query
+    that sees every key up to it sees exactly the keys of its own and earlier groups (semi-autoregressive)."""
+    return index if group == 1 else (index // group + 1) * group - 1
 
 
 def positions_from_mask(attention_mask: Tensor) -> Tensor:
@@ -61,15 +68,17 @@ def sequence_span(length: int, valid: Tensor | None = None) -> KeySpan:
 
 
 def attention_mask(span: KeySpan, T: int, *, causal: bool, position=None, window=None, dtype: torch.dtype,
-                   device: torch.device) -> tuple[Tensor | None, bool]:
+                   device: torch.device, group: int = 1) -> tuple[Tensor | None, bool]:
     """The one mask builder: (attn_mask, is_causal) for T queries over ``span`` — every model and cache strategy
     builds its masks here, built once per forward and shared by every layer.
 
     ``causal``: a query sees the keys at or before its own index; ``position`` (a :class:`~.positions.Position`)
     adds its score bias (ALiBi, T5) where it has one; ``window`` (a :class:`~.sliding.Window`) hides the keys
-    outside each query's sliding window. The mask is None (or ``is_causal`` True: the fused kernels' own causal
-    path) where nothing needs masking, a bool (Tq, S) causal mask for a dense cache without padding or bias, else an
-    additive float (B|1, H|1, T, S) mask in ``dtype`` (0 / the dtype's minimum, plus the bias)."""
+    outside each query's sliding window; ``group`` > 1 with ``causal`` (semi-autoregressive decoding, no window):
+    group-causal, a query sees every key of its own and earlier groups of ``group`` positions. The mask is None (or
+    ``is_causal`` True: the fused kernels' own causal path) where nothing needs masking, a bool (Tq, S) causal mask
+    for a dense cache without padding or bias, else an additive float (B|1, H|1, T, S) mask in ``dtype`` (0 / the
+    dtype's minimum, plus the bias)."""
     has_bias = position is not None and position.has_bias
     if window is not None and (span.windowed or (span.key_positions is None and window.covers(span.keys))):
         window = None  # every key is inside the window already
@@ -78,6 +87,9 @@ def attention_mask(span: KeySpan, T: int, *, causal: bool, position=None, window
     if span.past is not None and span.valid is None and not has_bias and window is None:
         if T == 1 or not causal:
             return None, False
+        if group > 1:  # None when every query sees every key (a dense cache's one new group)
+            allowed = causal_mask(T, span.keys, device, group)
+            return (None if bool(allowed.all()) else allowed), False
         if span.past == 0:
             return None, True
         return causal_mask(T, span.keys, device), False
@@ -94,7 +106,7 @@ def attention_mask(span: KeySpan, T: int, *, causal: bool, position=None, window
         if causal and not window.causal:
             allowed = allowed & (index[:, None, :] <= queries[..., None])[:, None]
     elif causal and (span.past is None or T > 1):  # (a dense cache's single query sees every key anyway)
-        allowed = (index[:, None, :] <= queries[..., None])[:, None]  # (B|1, 1, T, S)
+        allowed = (index[:, None, :] <= group_end(queries, group)[..., None])[:, None]  # (B|1, 1, T, S)
     if span.valid is not None:
         pad = span.valid[:, None, None, :]  # (B, 1, 1, S)
         allowed = pad if allowed is None else allowed & pad

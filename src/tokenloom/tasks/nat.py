@@ -1,6 +1,6 @@
 """Non-autoregressive translation: the ``nat_translation`` task for :mod:`tokenloom.models.nat` (kinds nat, cmlm,
-ctc, ...: :mod:`tokenloom.models.nat_kinds`) on the translation task's data (line-aligned pairs, token-count
-batches).
+ctc, levenshtein, insertion, ...: :mod:`tokenloom.models.nat_kinds`) on the translation task's data (line-aligned
+pairs, token-count batches).
 
 The loss is the model's kind's (``NATKind.loss``; targets are the target tokens without BOS / EOS):
 
@@ -10,7 +10,10 @@ The loss is the model's kind's (``NATKind.loss``; targets are the target tokens 
 * ctc: CTC over the upsampled decoder (no label smoothing). A pair whose target cannot fit the decoder
   (L + adjacent repeats > ctc_upsample x source length) is skipped and counted (``skipped_pairs``, the
   training run's total so far, in each evaluation's metrics), never a crash mid-epoch;
-* nat and cmlm add ``length_loss_weight`` x the length predictor's cross-entropy.
+* nat and cmlm add ``length_loss_weight`` x the length predictor's cross-entropy;
+* levenshtein: the imitation-learning losses of deletion, placeholder counts and fill; insertion: the
+  balanced-binary-tree loss over the slots of a random partial target;
+* nat and ctc with ``glancing_ratio`` > 0 glance part of the reference into the decoder inputs (GLAT).
 
 Train on a teacher's outputs (sequence-level distillation, ``tokenloom distill``) by pointing ``data.dir`` at
 the distilled corpus; ``data.tokenizer_from`` takes the teacher's tokenizer so the vocabularies match (needed

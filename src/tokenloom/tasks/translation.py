@@ -18,7 +18,7 @@ import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -35,6 +35,8 @@ from .losses import cross_entropy
 from .registry import TASKS, Sharded
 
 DEFAULT_BEAM = 5  # translate()'s beam, and the CLI's (translate, evaluate, distill): the README's BLEU is beam 5
+TEACHER_FORCED = ("encoder_decoder", "semi_autoregressive")  # the decoding kinds this task trains: model(source,
+#   target_in) gives the logits of target_out
 
 
 @dataclass
@@ -117,9 +119,15 @@ class TranslationTask(Sharded):
                    "max_target_len": max(model_section.get("max_target_len", 0), data.max_target_len)}
         family, model_config = model_config_from_dict(section)
         model_cls = MODELS.get(family)[1]
-        if decoding_of(model_cls) != "encoder_decoder":
-            raise ConfigError(f"task 'translation' needs an autoregressive encoder-decoder model (family seq2seq), "
-                              f"got {family!r}" + (" (train it with task nat_translation)" if family == "nat" else ""))
+        kind = decoding_of(model_cls)
+        if kind not in TEACHER_FORCED:
+            raise ConfigError(f"task 'translation' needs an autoregressive encoder-decoder model (family seq2seq or "
+                              f"semi_ar), got {family!r}"
+                              + (" (train it with task nat_translation)" if family == "nat" else ""))
+        if scheduled_sampling is not None and kind != "encoder_decoder":
+            raise ConfigError(f"train.scheduled_sampling feeds an autoregressive decoder its own predictions; family "
+                              f"{family!r} decodes several tokens per step (set train.scheduled_sampling.schedule: "
+                              "none)")
         model = create_model(family, model_config)
         task = cls(dataset, data, tokenizer, seed=seed, label_smoothing=label_smoothing, eval_batches=eval_batches)
         task.scheduled_sampling = scheduled_sampling
@@ -293,29 +301,32 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
               length_penalty: float = 1.0, max_tokens: int = 4096, max_len_a: float = 1.5, max_len_b: int = 10,
               no_repeat_ngram_size: int = 0, truncate: bool = True, iterations: int | None = None,
               length_beam: int | None = None, rescorer: nn.Module | None = None,
-              progress: Callable[[int], object] | None = None) -> list[str]:
+              progress: Callable[[int], object] | None = None, rounds: list[int] | None = None) -> list[str]:
     """Translate ``sentences`` (in order) with an encoder-decoder: beam search with ``beam`` beams (default
     :data:`DEFAULT_BEAM`, 5, as ``tokenloom translate``; ``beam=1`` is greedy); a non-autoregressive model
     (:mod:`tokenloom.models.nat`) decodes in parallel instead, with the options its kind takes
     (``NATKind.options``: ``iterations`` for cmlm, ``length_beam`` and ``rescorer`` for nat and cmlm; defaults 10
-    and 3; see :func:`tokenloom.generation.nat.nat_decode`) and no beam.
+    and 3; see :func:`tokenloom.generation.nat.nat_decode`) and no beam; a semi-autoregressive one
+    (:mod:`tokenloom.models.semi_ar`) K tokens per step, greedy (beam 1, its default). The model's decoding kind
+    picks the batch decoding (:data:`BATCH_DECODINGS`).
 
     Sentences are sorted by length and batched up to ``max_tokens`` source tokens (times the beam); each
     batch generates at most ``max_len_a * source_length + max_len_b`` tokens (capped by the model's
     target limit). A source longer than the model's limit is truncated with a warning (``truncate``) or
     refused with a one-line error. Options of the other kind of model are refused with a one-line error.
-    ``progress``, when given, is called after each batch with the number of sentences it translated.
+    ``progress``, when given, is called after each batch with the number of sentences it translated. ``rounds``,
+    when given, gets the decoder rounds each sentence used appended (in batch order) by the decodings that count
+    them: a parallel model's (:func:`tokenloom.generation.nat.nat_decode`), a semi-autoregressive one's steps.
     """
-    from ..generation import GenerationConfig, generate
-    from ..generation.nat import nat_decode
     from ..nn.modes import eval_mode
 
-    if decoding_of(model) not in ("encoder_decoder", "parallel"):
+    kind = decoding_of(model)
+    if kind not in BATCH_DECODINGS:
         raise ConfigError(f"translation needs an encoder-decoder model, got {type(model).__name__}")
     c = model.config
-    parallel = decoding_of(model) == "parallel"
+    parallel = kind == "parallel"
     if beam is None:
-        beam = 1 if parallel else DEFAULT_BEAM  # a parallel decoding has no beam
+        beam = default_beam(model)
     parallel_options = check_decoding_options(model, beam=beam, iterations=iterations, length_beam=length_beam,
                                               rescorer=rescorer)
     ids = special_ids(tokenizer)
@@ -323,29 +334,85 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
     results: list[str] = [""] * len(encoded)
     device = device_of(model)
     rows = parallel_options.get("length_beam", 1) if parallel else beam
+    decode_batch = BATCH_DECODINGS[kind]
     with eval_mode(model):
         for chunk, source, mask in source_batches(encoded, max_tokens, ids["pad_id"], rows_per_sentence=rows,
                                                   device=device):
-            if parallel:
-                outputs = nat_decode(model, source, mask, **parallel_options, rescorer=rescorer)
-            else:
-                new = min(c.max_target_len - 1, int(max_len_a * source.shape[1] + max_len_b))
-                config = GenerationConfig(max_new_tokens=new, do_sample=False, num_beams=beam,
-                                          length_penalty=length_penalty, no_repeat_ngram_size=no_repeat_ngram_size,
-                                          eos_token_id=ids["eos_id"], pad_token_id=ids["pad_id"])
-                bos = torch.full((len(chunk), 1), ids["bos_id"], dtype=torch.long, device=device)
-                out = generate(model.decoder_for(source, mask), bos, config)
-                outputs = []
-                for row in range(len(chunk)):
-                    tokens = out[row, 1:].tolist()
-                    if ids["eos_id"] in tokens:
-                        tokens = tokens[:tokens.index(ids["eos_id"])]
-                    outputs.append([t for t in tokens if t != ids["pad_id"]])
+            new = min(c.max_target_len - 1, int(max_len_a * source.shape[1] + max_len_b))
+            request = BatchRequest(new, ids, beam, length_penalty, no_repeat_ngram_size, parallel_options, rescorer,
+                                   rounds)
+            outputs = decode_batch(model, source, mask, request)
             for i, tokens in zip(chunk, outputs, strict=True):
                 results[i] = tokenizer.decode(tokens).strip()
             if progress is not None:
                 progress(len(chunk))
     return results
+
+
+class BatchRequest(NamedTuple):
+    """What :func:`translate` asks of one batch's decoding; each decoding kind reads the fields it takes."""
+
+    max_new_tokens: int  # the batch's length cap (max_len_a * S + max_len_b, within the model's target limit)
+    ids: dict[str, int]  # pad_id, bos_id, eos_id
+    beam: int
+    length_penalty: float
+    no_repeat_ngram_size: int
+    parallel_options: dict[str, int]  # a non-autoregressive model's options (check_decoding_options)
+    rescorer: nn.Module | None
+    rounds: list[int] | None  # gets the decoder rounds of each sentence appended, where the decoding counts them
+
+
+def _autoregressive_batch(model: nn.Module, source: Tensor, mask: Tensor, request: BatchRequest) -> list[list[int]]:
+    """Greedy or beam search over (B, S) sources -> each sentence's tokens (no BOS, EOS, padding); its rounds: the
+    decoder passes a sentence needs alone (its tokens and the EOS)."""
+    from ..generation import GenerationConfig, generate
+
+    ids = request.ids
+    config = GenerationConfig(max_new_tokens=request.max_new_tokens, do_sample=False, num_beams=request.beam,
+                              length_penalty=request.length_penalty,
+                              no_repeat_ngram_size=request.no_repeat_ngram_size, eos_token_id=ids["eos_id"],
+                              pad_token_id=ids["pad_id"])
+    bos = torch.full((source.shape[0], 1), ids["bos_id"], dtype=torch.long, device=source.device)
+    out = generate(model.decoder_for(source, mask), bos, config)
+    outputs = []
+    for row in out[:, 1:].tolist():
+        tokens = row[:row.index(ids["eos_id"])] if ids["eos_id"] in row else row
+        outputs.append([t for t in tokens if t != ids["pad_id"]])
+    if request.rounds is not None:  # one decoder pass per token, the EOS included (alone at batch 1)
+        request.rounds.extend(min(len(tokens) + 1, request.max_new_tokens) for tokens in outputs)
+    return outputs
+
+
+def _parallel_batch(model: nn.Module, source: Tensor, mask: Tensor, request: BatchRequest) -> list[list[int]]:
+    """A non-autoregressive model's parallel decoding (:func:`tokenloom.generation.nat.nat_decode`)."""
+    from ..generation.nat import nat_decode
+
+    return nat_decode(model, source, mask, **request.parallel_options, rescorer=request.rescorer,
+                      rounds=request.rounds)
+
+
+def _semi_autoregressive_batch(model: nn.Module, source: Tensor, mask: Tensor,
+                               request: BatchRequest) -> list[list[int]]:
+    """K tokens per step, greedy (:func:`tokenloom.generation.semi_ar.semi_ar_decode`); padding ids dropped, as
+    the autoregressive decoding drops them."""
+    from ..generation.semi_ar import semi_ar_decode
+
+    out = semi_ar_decode(model, source, mask, max_new_tokens=request.max_new_tokens)
+    if request.rounds is not None:
+        request.rounds.extend(out.steps)
+    return [[t for t in tokens if t != request.ids["pad_id"]] for tokens in out.tokens]
+
+
+# decoding kind (tokenloom.models.registry.DECODERS) -> how translate() decodes one batch of sources
+BATCH_DECODINGS: dict[str, Callable[[nn.Module, Tensor, Tensor, BatchRequest], list[list[int]]]] = {
+    "encoder_decoder": _autoregressive_batch, "parallel": _parallel_batch,
+    "semi_autoregressive": _semi_autoregressive_batch}
+
+
+def default_beam(model: nn.Module) -> int:
+    """translate()'s beam when none is given: :data:`DEFAULT_BEAM` for an autoregressive model, 1 (greedy) for one
+    that decodes several tokens per step (parallel, semi-autoregressive)."""
+    return DEFAULT_BEAM if decoding_of(model) == "encoder_decoder" else 1
 
 
 def check_decoding_options(model: nn.Module, *, beam: int = 1, iterations: int | None = None,
@@ -358,6 +425,9 @@ def check_decoding_options(model: nn.Module, *, beam: int = 1, iterations: int |
             if value is not None:
                 raise ConfigError(f"{name.replace('_', ' ')} is an option of non-autoregressive models; this "
                                   "model is autoregressive (use beam)")
+        if beam > 1 and decoding_of(model) == "semi_autoregressive":
+            raise ConfigError(f"beam {beam}: a semi-autoregressive model decodes greedily (K tokens per step); "
+                              "use beam 1")
         return {}
     return decoding_options(model.config.kind, beam=beam, iterations=iterations, length_beam=length_beam,
                             rescorer=rescorer)

@@ -20,7 +20,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ...errors import ConfigError
@@ -40,11 +40,17 @@ class NATKind:
     # among which an autoregressive rescorer may pick
     options: ClassVar[dict[str, int]] = {"length_beam": 3}
     skips_pairs: ClassVar[bool] = False  # its loss skips pairs that cannot fit (reported as skipped_pairs)
+    glances: ClassVar[bool] = False  # takes glancing training (NATConfig.glancing_ratio; nat_kinds/glancing.py)
 
     # ---- the model ----------------------------------------------------------------------------------
 
     def check(self, config: Any) -> None:
         """One-line :class:`ConfigError` for what this kind needs beyond a valid config (special ids, room)."""
+
+    def heads(self, config: Any) -> dict[str, nn.Module]:
+        """Modules a model of this kind adds beside the shared decoder and output layer (a Levenshtein model's
+        deletion and placeholder classifiers, say), registered as ``model.kind_heads[name]``; default none."""
+        return {}
 
     def kept_id(self, config: Any) -> int:
         """An id past the tokenizer's that decoding may still produce (and removes itself); -1 for none."""
@@ -65,10 +71,11 @@ class NATKind:
     # ---- training -----------------------------------------------------------------------------------
 
     def training_inputs(self, model: Any, source: Tensor, source_mask: Tensor, tokens: Tensor, lengths: Tensor,
-                        generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                        generator: torch.Generator | None = None,
+                        memory: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         """For the target tokens (B, L) (right-padded) of ``lengths`` (B,): the decoder's inputs (B, T, C), its mask
         (B, T) and the targets (B, T) (padding where nothing is predicted). Default: inputs for the gold lengths,
-        every token a target."""
+        every token a target. ``memory`` (B, S, C): the encoder output, for kinds whose inputs need a first pass."""
         inputs, decoder_mask = model.decoder_inputs(source, source_mask, lengths)
         return inputs, decoder_mask, tokens
 
@@ -82,7 +89,8 @@ class NATKind:
         memory = model.encode(source, source_mask)
         length_loss = F.cross_entropy(model.length_logits(memory, source_mask).float(),
                                       model.length_classes(source_mask.sum(1), lengths))
-        inputs, decoder_mask, targets = self.training_inputs(model, source, source_mask, tokens, lengths, generator)
+        inputs, decoder_mask, targets = self.training_inputs(model, source, source_mask, tokens, lengths, generator,
+                                                             memory)
         logits = model.decode_parallel(inputs, decoder_mask, memory, source_mask)
         token_loss = token_cross_entropy(logits, targets, label_smoothing, pad)
         return token_loss + c.length_loss_weight * length_loss, int((targets != pad).sum()), 0

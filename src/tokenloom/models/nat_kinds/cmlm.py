@@ -46,7 +46,8 @@ class CMLM(NATKind):
         return model.scale_embeddings(model.tgt_embed(tokens)), (tokens != model.config.pad_id).long()
 
     def training_inputs(self, model: Any, source: Tensor, source_mask: Tensor, tokens: Tensor, lengths: Tensor,
-                        generator: torch.Generator | None = None) -> tuple[Tensor, Tensor, Tensor]:
+                        generator: torch.Generator | None = None,
+                        memory: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
         c = model.config
         masked = random_mask(tokens != c.pad_id, generator)
         inputs, decoder_mask = model.decoder_inputs(source, source_mask, tokens=tokens.masked_fill(masked, c.mask_id))

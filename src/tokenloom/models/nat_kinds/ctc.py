@@ -16,6 +16,7 @@ from torch.nn import functional as F
 
 from ...config import check
 from .base import NAT_KINDS, NATKind
+from .glancing import choose_positions, ctc_best_alignment, glance, glance_counts
 
 
 def ctc_collapse(ids: list[int], blank_id: int) -> list[int]:
@@ -43,6 +44,7 @@ class CTC(NATKind):
     decoding: ClassVar[str] = "ctc"
     options: ClassVar[dict[str, int]] = {}
     skips_pairs: ClassVar[bool] = True
+    glances: ClassVar[bool] = True
 
     def check(self, config: Any) -> None:
         check(0 <= config.blank_id < config.vocab_size,
@@ -77,9 +79,28 @@ class CTC(NATKind):
             width = int(source_mask[fits].sum(1).max())
             source, source_mask = source[fits, :width], source_mask[fits, :width]
             tokens, lengths = tokens[fits], lengths[fits]
-        logits, decoder_mask, _ = model(source, source_mask)
+        memory = model.encode(source, source_mask)
+        inputs, decoder_mask = self.decoder_inputs(model, source, source_mask)
+        if c.glancing_ratio and model.training:
+            inputs = self.glanced_inputs(model, inputs, decoder_mask, memory, source_mask, tokens, lengths, generator)
+        logits = model.decode_parallel(inputs, decoder_mask, memory, source_mask)
         count = int(lengths.sum())
         return ctc_loss(logits, decoder_mask, tokens, lengths, c.blank_id) / max(count, 1), count, skipped
+
+    @staticmethod
+    def glanced_inputs(model: Any, inputs: Tensor, decoder_mask: Tensor, memory: Tensor, source_mask: Tensor,
+                       tokens: Tensor, lengths: Tensor, generator: torch.Generator | None) -> Tensor:
+        """Glancing CTC (Gu & Kong 2021): the reference is the targets' most probable alignment under a first
+        pass without gradients; floor(ratio * d) positions take its labels (a token or the blank) as
+        inputs, d the positions where the first pass's argmax differs from it."""
+        c = model.config
+        real = decoder_mask.bool()
+        with torch.no_grad():
+            logits = model.decode_parallel(inputs, decoder_mask, memory, source_mask).float()
+            aligned = ctc_best_alignment(F.log_softmax(logits, dim=-1), decoder_mask.sum(1), tokens, lengths,
+                                         c.blank_id)  # (B, T)
+        chosen = choose_positions(real, glance_counts(logits.argmax(-1), aligned, real, c.glancing_ratio), generator)
+        return glance(model, inputs, aligned, chosen)
 
 
 NAT_KINDS.register("ctc")(CTC())

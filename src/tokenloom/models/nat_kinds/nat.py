@@ -17,6 +17,7 @@ from torch import Tensor
 
 from ...errors import GenerationError
 from .base import NAT_KINDS, NATKind
+from .glancing import choose_positions, glance, glance_counts
 
 
 def length_inputs(model: Any, source: Tensor, source_mask: Tensor, target_lengths: Tensor | None,
@@ -41,11 +42,29 @@ def length_inputs(model: Any, source: Tensor, source_mask: Tensor, target_length
 
 class NAT(NATKind):
     name: ClassVar[str] = "NAT"
+    glances: ClassVar[bool] = True
 
     def decoder_inputs(self, model: Any, source: Tensor, source_mask: Tensor, target_lengths: Tensor | None = None,
                        tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
         return length_inputs(model, source, source_mask, target_lengths,
                              copy=model.config.decoder_input == "copy")
+
+    def training_inputs(self, model: Any, source: Tensor, source_mask: Tensor, tokens: Tensor, lengths: Tensor,
+                        generator: torch.Generator | None = None,
+                        memory: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+        """Inputs for the gold lengths; when training with ``glancing_ratio`` > 0, some positions glance at their
+        target token (their inputs its embedding) and leave the loss (:mod:`.glancing`)."""
+        inputs, decoder_mask = model.decoder_inputs(source, source_mask, lengths)
+        ratio = model.config.glancing_ratio
+        if not (ratio and model.training):
+            return inputs, decoder_mask, tokens
+        if memory is None:
+            memory = model.encode(source, source_mask)
+        real = decoder_mask.bool()
+        with torch.no_grad():
+            predicted = model.decode_parallel(inputs, decoder_mask, memory, source_mask).argmax(-1)  # (B, T)
+        chosen = choose_positions(real, glance_counts(predicted, tokens, real, ratio), generator)
+        return glance(model, inputs, tokens, chosen), decoder_mask, tokens.masked_fill(chosen, model.config.pad_id)
 
     def bench_variants(self, can_rescore: bool) -> list[dict[str, Any]]:
         return [dict(length_beam=1), dict(length_beam=3)] + ([dict(length_beam=3, rescore=True)] if can_rescore
