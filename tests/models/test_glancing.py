@@ -9,27 +9,15 @@ import math
 
 import pytest
 import torch
-from test_nat import (  # tests/models is on sys.path (prepend mode)
-    SOURCES,
-    TARGETS,
-    _train_until_decoded,
-    batch_of,
-    tiny,
-)
+from nat_pairs import batch_of, pair_batch  # tests/models is on sys.path (prepend mode)
+from test_nat import SOURCES, TARGETS, _train_until_decoded, tiny
 from torch.nn import functional as F
 
-from tokenloom.data.parallel import ParallelBatch
 from tokenloom.errors import ConfigError
 from tokenloom.models.nat_kinds import NAT_KINDS
 from tokenloom.models.nat_kinds.ctc import ctc_collapse
 from tokenloom.models.nat_kinds.glancing import choose_positions, ctc_best_alignment, glance_counts
 from tokenloom.tasks.nat import NATTranslationTask
-
-
-def _batch() -> ParallelBatch:
-    source, smask = batch_of(SOURCES)
-    target_in, tmask = batch_of([[1] + t for t in TARGETS])
-    return ParallelBatch(source, smask, target_in, target_in, tmask, int(tmask.sum()), torch.arange(4))
 
 
 def _loss_and_grads(model, batch) -> tuple[float, list[torch.Tensor]]:
@@ -45,7 +33,7 @@ def test_glancing_zero_tokens_equals_plain_training(kind):
     """A ratio so small that floor(ratio * d) is 0 for every sentence runs the whole glancing path (first
     pass, counts, positions, input replacement) and must give plain training's loss and gradients exactly; a ratio
     that glances does not."""
-    batch = _batch()
+    batch = pair_batch(SOURCES, TARGETS)
     plain, plain_grads = _loss_and_grads(tiny(kind), batch)
     zero, zero_grads = _loss_and_grads(tiny(kind, glancing_ratio=1e-6), batch)
     assert zero == plain
@@ -89,7 +77,7 @@ def test_nat_glanced_positions_read_their_target_and_leave_the_loss():
     glanced targets become padding; as many are glanced as the definition says, counted from an independent
     first pass."""
     model = tiny("nat", glancing_ratio=0.5).train()
-    batch = _batch()
+    batch = pair_batch(SOURCES, TARGETS)
     source, smask = batch.source, batch.source_mask
     tokens = batch.target_in[:, 1:]
     lengths = batch.target_mask.sum(1) - 1

@@ -7,15 +7,14 @@ import math
 
 import pytest
 import torch
+from nat_pairs import batch_of, train_until_decoded  # tests/models is on sys.path (prepend mode)
 from torch.nn import functional as F
 
-from tokenloom.data.parallel import ParallelBatch
 from tokenloom.errors import ConfigError, GenerationError
 from tokenloom.generation.insertion import insert_tokens, insertion_loop
 from tokenloom.generation.nat import nat_decode
 from tokenloom.models import NATConfig, NonAutoregressiveTransformer
 from tokenloom.models.nat_kinds.insertion import TAU, hypotheses, random_kept, slot_logits, tree_loss, tree_weights
-from tokenloom.tasks.nat import NATTranslationTask
 from tokenloom.tasks.translation import check_decoding_options
 
 V = 24  # ids: 0 pad, 1 bos, 2 eos, 3..21 words, 22 <mask>, 23 <end-of-slot> (the <blank> id)
@@ -29,13 +28,6 @@ def tiny(**overrides) -> NonAutoregressiveTransformer:
               max_target_len=12, dropout=0.0, norm_placement="pre", kind="insertion", mask_id=22, blank_id=END)
     torch.manual_seed(0)
     return NonAutoregressiveTransformer(NATConfig(**{**kw, **overrides}))
-
-
-def batch_of(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-    return ids, (ids != 0).long()
 
 
 def spans_of(kept: list[bool]) -> list[list[int]]:
@@ -210,25 +202,7 @@ def test_decoding_stops_at_the_decoder_positions_keeping_the_leftmost_insertions
 def train(model: NonAutoregressiveTransformer, max_steps: int, every: int = 10) -> list[int]:
     """Train with the kind's loss (through the task) on the pairs until decoding reproduces them twice in a row
     (``every`` steps apart) or ``max_steps``; returns the steps of the passing checks."""
-    source, smask = batch_of(SOURCES)
-    target_in, tmask = batch_of([[1] + t for t in TARGETS])
-    batch = ParallelBatch(source, smask, target_in, target_in, tmask, int(tmask.sum()), torch.arange(4))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    passed: list[int] = []
-    for step in range(1, max_steps + 1):
-        model.train()
-        loss, count, skipped = NATTranslationTask.nat_loss(model, batch, 0.0)
-        assert count == sum(map(len, TARGETS)) and skipped == 0
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % every == 0:
-            model.eval()
-            with torch.no_grad():
-                passed = passed + [step] if nat_decode(model, source, smask, iterations=8) == TARGETS else []
-            if len(passed) == 2:
-                break
-    return passed
+    return train_until_decoded(model, SOURCES, TARGETS, max_steps, every=every, iterations=8)
 
 
 @pytest.fixture(scope="module")

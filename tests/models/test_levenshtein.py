@@ -9,14 +9,13 @@ import random
 
 import pytest
 import torch
+from nat_pairs import batch_of, train_until_decoded  # tests/models is on sys.path (prepend mode)
 
-from tokenloom.data.parallel import ParallelBatch
 from tokenloom.errors import ConfigError, GenerationError
 from tokenloom.generation.levenshtein import levenshtein_round
 from tokenloom.generation.nat import nat_decode
 from tokenloom.models import NATConfig, NonAutoregressiveTransformer
 from tokenloom.models.nat_kinds.levenshtein import edit_labels, placeholder_row, random_keep
-from tokenloom.tasks.nat import NATTranslationTask
 
 V, PLH = 20, 18  # ids: 0 pad, 1 bos, 2 eos, 3..17 words, 18 <plh> (mask_id), 19 <blank>
 SOURCES = [[3, 4, 5, 2], [6, 7, 2], [8, 9, 10, 11, 2], [12, 3, 2]]
@@ -36,36 +35,10 @@ def _one_thread() -> None:
     torch.set_num_threads(1)
 
 
-def batch_of(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    ids = torch.zeros(len(rows), max(len(r) for r in rows), dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)] = torch.tensor(r)
-    return ids, (ids != 0).long()
-
-
 def train(model: NonAutoregressiveTransformer, steps: int, every: int = 0) -> list[int]:
     """Up to ``steps`` Adam steps of the kind's loss on the four pairs; with ``every``, stop once two checks in a
     row (``every`` steps apart) decode every pair exactly, returning their steps."""
-    source, smask = batch_of(SOURCES)
-    target_in, tmask = batch_of([[1] + t for t in TARGETS])
-    batch = ParallelBatch(source, smask, target_in, target_in, tmask, int(tmask.sum()), torch.arange(4))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    passed: list[int] = []
-    for step in range(1, steps + 1):
-        model.train()
-        loss, count, skipped = NATTranslationTask.nat_loss(model, batch, 0.1)
-        assert torch.isfinite(loss) and count == sum(map(len, TARGETS)) and skipped == 0
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if every and step % every == 0:
-            model.eval()
-            with torch.no_grad():
-                passed = passed + [step] if nat_decode(model, source, smask, iterations=10) == TARGETS else []
-            if len(passed) == 2:
-                break
-    model.eval()
-    return passed
+    return train_until_decoded(model, SOURCES, TARGETS, steps, every=every, label_smoothing=0.1, iterations=10)
 
 
 @pytest.fixture(scope="module")

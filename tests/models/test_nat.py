@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from nat_pairs import batch_of, train_until_decoded  # tests/models is on sys.path (prepend mode)
 from torch.nn import functional as F
 
 from tokenloom.errors import ConfigError
@@ -24,15 +25,6 @@ def tiny(kind: str, **overrides) -> NonAutoregressiveTransformer:
               max_length_offset=4)
     torch.manual_seed(0)
     return NonAutoregressiveTransformer(NATConfig(**{**kw, **overrides}))
-
-
-def batch_of(rows: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    width = max(len(r) for r in rows)
-    ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), width, dtype=torch.long)
-    for i, r in enumerate(rows):
-        ids[i, :len(r)], mask[i, :len(r)] = torch.tensor(r), 1
-    return ids, mask
 
 
 SOURCES = [[3, 4, 5, 2], [6, 7, 2], [8, 9, 10, 11, 2], [12, 3, 2]]
@@ -144,34 +136,12 @@ def test_random_mask_masks_between_one_and_all_real_tokens():
 # ---- training: each kind overfits a handful of pairs -------------------------------------------------
 
 def _train_until_decoded(model: NonAutoregressiveTransformer, max_steps: int, every: int = 10) -> list[int]:
-    """Train on the four pairs until two checks in a row (``every`` steps apart) decode all of them exactly, or
-    ``max_steps``; returns the steps of the passing checks. Stopping on success instead of after a fixed number of
-    steps keeps the verdict off the trajectory's details: with a constant learning rate, cmlm's random masks make the
-    decoded output come and go around the point where it is learnt, at steps that differ with the CPU's kernels
-    (AVX-512: right at 180-190, wrong 200-360; AVX2: right from 210)."""
-    from tokenloom.data.parallel import ParallelBatch
-    from tokenloom.tasks.nat import NATTranslationTask
-
-    source, smask = batch_of(SOURCES)
-    target_in, tmask = batch_of([[1] + t for t in TARGETS])
-    batch = ParallelBatch(source, smask, target_in, target_in, tmask, int(tmask.sum()), torch.arange(4))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.0)
-    passed: list[int] = []
-    for step in range(1, max_steps + 1):
-        model.train()
-        loss, _, skipped = NATTranslationTask.nat_loss(model, batch, 0.0)
-        assert skipped == 0
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        if step % every == 0:
-            model.eval()
-            with torch.no_grad():
-                out = nat_decode(model, source, smask, iterations=4, length_beam=2)
-            passed = passed + [step] if out == TARGETS else []
-            if len(passed) == 2:
-                break
-    return passed
+    """Train on the four pairs until two checks in a row (``every`` steps apart) decode all of them exactly
+    (4 iterations, length beam 2), or ``max_steps``; returns the steps of the passing checks. With a constant
+    learning rate, cmlm's random masks make the decoded output come and go around the point where it is learnt,
+    at steps that differ with the CPU's kernels (AVX-512: right at 180-190, wrong 200-360; AVX2: right from 210):
+    stopping on success keeps the verdict off those details."""
+    return train_until_decoded(model, SOURCES, TARGETS, max_steps, every=every, iterations=4, length_beam=2)
 
 
 @pytest.mark.parametrize("kind,max_steps", [("nat", 400), ("cmlm", 1000), ("ctc", 400)])

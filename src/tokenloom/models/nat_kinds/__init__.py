@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from .base import DECODING_OPTIONS, NAT_KINDS, NATKind, decoding_options, token_cross_entropy
+from .base import DECODING_OPTIONS, NAT_KINDS, NATKind, ReadsTokens, decoding_options, token_cross_entropy
 
 
 def load_kind_files() -> None:
@@ -25,4 +25,5 @@ def load_kind_files() -> None:
 
 load_kind_files()
 
-__all__ = ["DECODING_OPTIONS", "NAT_KINDS", "NATKind", "decoding_options", "load_kind_files", "token_cross_entropy"]
+__all__ = ["DECODING_OPTIONS", "NAT_KINDS", "NATKind", "ReadsTokens", "decoding_options", "load_kind_files",
+           "token_cross_entropy"]

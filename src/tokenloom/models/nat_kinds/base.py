@@ -23,7 +23,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from ...errors import ConfigError
+from ...errors import ConfigError, GenerationError
 from ...registry import Registry
 
 DECODING_OPTIONS = ("iterations", "length_beam")  # the options a kind may take (translate's keyword arguments)
@@ -101,6 +101,20 @@ class NATKind:
         """The decodings ``bench translate`` measures (translate's keyword arguments; ``rescore=True``: with the
         autoregressive teacher as rescorer, offered when ``can_rescore``). Default: the default options."""
         return [dict(self.options)]
+
+
+class ReadsTokens(NATKind):
+    """A kind whose decoder reads tokens (cmlm: the target with ``<mask>`` ids; levenshtein, insertion: the current
+    hypothesis between BOS and EOS), embedded at the decoder inputs' scale, padding masked."""
+
+    reads: ClassVar[str] = "target tokens"  # what the tokens are (for the error when none are given)
+
+    def decoder_inputs(self, model: Any, source: Tensor, source_mask: Tensor, target_lengths: Tensor | None = None,
+                       tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
+        if tokens is None:
+            kind = model.config.kind
+            raise GenerationError(f"{'an' if kind[0] in 'aeiou' else 'a'} {kind} decoder reads {self.reads}")
+        return model.scale_embeddings(model.tgt_embed(tokens)), (tokens != model.config.pad_id).long()
 
 
 NAT_KINDS: Registry[NATKind] = Registry("nat kind")

@@ -14,8 +14,7 @@ import torch
 from torch import Tensor
 
 from ...config import check
-from ...errors import GenerationError
-from .base import NAT_KINDS, NATKind
+from .base import NAT_KINDS, ReadsTokens
 
 
 def random_mask(real: Tensor, generator: torch.Generator | None = None) -> Tensor:
@@ -30,7 +29,8 @@ def random_mask(real: Tensor, generator: torch.Generator | None = None) -> Tenso
     return (rank < counts[:, None]) & real
 
 
-class CMLM(NATKind):
+class CMLM(ReadsTokens):
+    reads: ClassVar[str] = "target tokens (with <mask> ids)"
     name: ClassVar[str] = "CMLM"
     decoding: ClassVar[str] = "mask_predict"
     options: ClassVar[dict[str, int]] = {"iterations": 10, "length_beam": 3}
@@ -38,12 +38,6 @@ class CMLM(NATKind):
     def check(self, config: Any) -> None:
         check(0 <= config.mask_id < config.vocab_size,
               f"mask_id={config.mask_id} is outside the vocabulary [0, {config.vocab_size}) (kind cmlm needs one)")
-
-    def decoder_inputs(self, model: Any, source: Tensor, source_mask: Tensor, target_lengths: Tensor | None = None,
-                       tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        if tokens is None:
-            raise GenerationError("a cmlm decoder reads target tokens (with <mask> ids)")
-        return model.scale_embeddings(model.tgt_embed(tokens)), (tokens != model.config.pad_id).long()
 
     def training_inputs(self, model: Any, source: Tensor, source_mask: Tensor, tokens: Tensor, lengths: Tensor,
                         generator: torch.Generator | None = None,

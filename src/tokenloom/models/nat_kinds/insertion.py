@@ -31,8 +31,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ...config import check
-from ...errors import GenerationError
-from .base import NAT_KINDS, NATKind
+from .base import NAT_KINDS, ReadsTokens
 
 TAU = 1.0  # temperature of the balanced-binary-tree weights (the paper's tau = 1.0); large tau: uniform weights
 
@@ -122,7 +121,8 @@ def tree_loss(logits: Tensor, targets: Tensor, kept: Tensor, real: Tensor, end_i
     return (losses * valid).sum() / valid.sum()
 
 
-class Insertion(NATKind):
+class Insertion(ReadsTokens):
+    reads: ClassVar[str] = "the hypothesis tokens ([BOS] y [EOS])"
     name: ClassVar[str] = "Insertion"
     has_length_head: ClassVar[bool] = False
     length_rule: ClassVar[str] = "its length comes from its insertions"
@@ -142,12 +142,6 @@ class Insertion(NATKind):
 
     def kept_id(self, config: Any) -> int:
         return config.blank_id  # <end-of-slot>: the decoding reads it, never inserts it
-
-    def decoder_inputs(self, model: Any, source: Tensor, source_mask: Tensor, target_lengths: Tensor | None = None,
-                       tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        if tokens is None:
-            raise GenerationError("an insertion decoder reads the hypothesis tokens ([BOS] y [EOS])")
-        return model.scale_embeddings(model.tgt_embed(tokens)), (tokens != model.config.pad_id).long()
 
     def loss(self, model: Any, source: Tensor, source_mask: Tensor, tokens: Tensor, lengths: Tensor,
              label_smoothing: float, generator: torch.Generator | None = None) -> tuple[Tensor, int, int]:

@@ -23,8 +23,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ...config import check
-from ...errors import GenerationError
-from .base import NAT_KINDS, NATKind, token_cross_entropy
+from .base import NAT_KINDS, ReadsTokens, token_cross_entropy
 
 MAX_PLACEHOLDERS = 64  # the most placeholders one slot may receive, at most (and at most max_target_len)
 
@@ -183,7 +182,8 @@ def _mean_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
     return F.cross_entropy(logits.float(), labels)
 
 
-class Levenshtein(NATKind):
+class Levenshtein(ReadsTokens):
+    reads: ClassVar[str] = "the current sequence (tokens with BOS and EOS)"
     name: ClassVar[str] = "Levenshtein"
     has_length_head: ClassVar[bool] = False
     length_rule: ClassVar[str] = "its length comes from its insertions and deletions"
@@ -201,12 +201,6 @@ class Levenshtein(NATKind):
             nn.init.normal_(head.weight, std=0.02)
             nn.init.zeros_(head.bias)
         return heads
-
-    def decoder_inputs(self, model: Any, source: Tensor, source_mask: Tensor, target_lengths: Tensor | None = None,
-                       tokens: Tensor | None = None) -> tuple[Tensor, Tensor]:
-        if tokens is None:
-            raise GenerationError("a levenshtein decoder reads the current sequence (tokens with BOS and EOS)")
-        return model.scale_embeddings(model.tgt_embed(tokens)), (tokens != model.config.pad_id).long()
 
     def bench_variants(self, can_rescore: bool) -> list[dict[str, Any]]:
         return [dict(iterations=3), dict(iterations=10)]
