@@ -87,9 +87,10 @@ def attention_mask(span: KeySpan, T: int, *, causal: bool, position=None, window
     if span.past is not None and span.valid is None and not has_bias and window is None:
         if T == 1 or not causal:
             return None, False
-        if group > 1:  # None when every query sees every key (a dense cache's one new group)
-            allowed = causal_mask(T, span.keys, device, group)
-            return (None if bool(allowed.all()) else allowed), False
+        if group > 1:  # None when every query sees every key (a dense cache's one new, whole group)
+            if T == group and span.past % group == 0:
+                return None, False
+            return causal_mask(T, span.keys, device, group), False
         if span.past == 0:
             return None, True
         return causal_mask(T, span.keys, device), False
