@@ -70,9 +70,9 @@ class NATConfig(Seq2SeqConfig):
     max_length_offset: int = 32  # offsets predicted in [-m, m] (longer gaps are clamped)
     length_loss_weight: float = 0.1  # weight of the length predictor's cross-entropy in the loss
     ctc_upsample: int = 3  # ctc: decoder positions per source position
-    # glancing training (GLAT, Qian et al. 2021; kinds nat, ctc): glance floor(lambda * d) reference tokens
-    # into the decoder inputs, d the first pass's distance to the reference (nat_kinds/glancing.py); 0 = off
-    glancing_ratio: float = 0.0
+    # (GLAT, Qian et al. 2021): the decoder inputs glance floor(lambda * d) reference tokens, d the first pass's
+    # distance to the reference (nat_kinds/glancing.py)
+    glancing_ratio: float = 0.0  # lambda of glancing training (kinds nat, ctc); 0 = off
     mask_id: int = -1  # cmlm: the <mask> id (the task sets it past the tokenizer's vocabulary)
     blank_id: int = -1  # ctc: the <blank> id (likewise)
 
