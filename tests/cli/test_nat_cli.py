@@ -105,11 +105,16 @@ def test_bench_translate_writes_one_matched_table(runs, tmp_path, capsys):
     (["translate", "{ctc}", "--iterations", "2"], "iterations is an option of cmlm, "),
     (["translate", "{cmlm}", "--rescore", "{ctc}"], "needs the autoregressive model"),
     (["distill", "{cmlm}", "--out", "{tmp}/d"], "distill from an autoregressive teacher"),
+    (["translate", "{sat}", "--beam", "3"], "a semi-autoregressive model decodes greedily"),
+    (["translate", "{levenshtein}", "--iterations", "0"], "iterations must be >= 1, got 0"),
+    (["translate", "{insertion}", "--iterations", "0"], "iterations must be >= 1, got 0"),
+    (["translate", "{levenshtein}", "--length-beam", "2"], "a levenshtein model has no length candidates"),
 ])
-def test_unknown_decoding_options_are_one_line_errors(runs, tmp_path, capsys, argv, needle):
+def test_unknown_decoding_options_are_one_line_errors(family, tmp_path, capsys, argv, needle):
     source = tmp_path / "in.xx"
     source.write_text("red dog\n")
-    args = [a.format(ar=runs / "ar", cmlm=runs / "cmlm", ctc=runs / "ctc", tmp=tmp_path) for a in argv]
+    names = ("ar", "cmlm", "ctc", "sat", "levenshtein", "insertion")
+    args = [a.format(tmp=tmp_path, **{n: family / n for n in names}) for a in argv]
     assert main(args + (["--input", str(source)] if args[0] == "translate" else [])) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1
@@ -209,22 +214,6 @@ def test_every_family_member_translates_and_keeps_empty_lines(family, tmp_path, 
     assert main(["translate", str(family / name), "--input", str(source)]) == 0
     lines = capsys.readouterr().out.splitlines()
     assert len(lines) == 3 and lines[1] == ""
-
-
-@pytest.mark.parametrize("argv,needle", [
-    (["translate", "{sat}", "--beam", "3"], "a semi-autoregressive model decodes greedily"),
-    (["translate", "{levenshtein}", "--iterations", "0"], "iterations must be >= 1, got 0"),
-    (["translate", "{insertion}", "--iterations", "0"], "iterations must be >= 1, got 0"),
-    (["translate", "{levenshtein}", "--length-beam", "2"], "a levenshtein model has no length candidates"),
-])
-def test_family_decoding_options_are_one_line_errors(family, tmp_path, capsys, argv, needle):
-    source = tmp_path / "in.xx"
-    source.write_text("red dog\n")
-    args = [a.format(sat=family / "sat", levenshtein=family / "levenshtein", insertion=family / "insertion")
-            for a in argv]
-    assert main(args + ["--input", str(source)]) == 2
-    err = capsys.readouterr().err
-    assert needle in err and len(err.strip().splitlines()) == 1
 
 
 @pytest.mark.parametrize("model,data,needle", [
