@@ -24,6 +24,7 @@ from torch import Tensor, nn
 
 from ..errors import GenerationError
 from ..models.nat import NonAutoregressiveTransformer
+from ..models.nat_kinds.edits import insert_placeholders
 from ..models.nat_kinds.insertion import hypothesis_slot_logits
 from .parallel import NAT_DECODINGS, ban, record_rounds
 
@@ -34,19 +35,12 @@ SlotArgmax = Callable[[Tensor, Tensor], Tensor]
 def insert_tokens(hypotheses: Tensor, lengths: Tensor, picks: Tensor, insert: Tensor,
                   pad_id: int) -> tuple[Tensor, Tensor]:
     """Insert ``picks`` (N, T - 1) into the slots where ``insert`` (N, T - 1) is True (slot l: between positions l
-    and l + 1) of ``hypotheses`` (N, T) of ``lengths`` (N,) -> (new hypotheses (N, T'), new lengths (N,))."""
-    N, T = hypotheses.shape
-    counts = insert.long().cumsum(1)  # (N, T - 1): insertions in slots 0..l
-    shift = torch.cat([counts.new_zeros(N, 1), counts], dim=1)  # (N, T): insertions before position j
-    new_lengths = lengths + counts[:, -1] if T > 1 else lengths
-    out = hypotheses.new_full((N, int(new_lengths.max())), pad_id)
-    index = torch.arange(T, device=hypotheses.device)[None]
-    real = index < lengths[:, None]
-    rows = torch.arange(N, device=hypotheses.device)[:, None].expand(N, T)
-    out[rows[real], (index + shift)[real]] = hypotheses[real]
-    slots = index[:, :-1] + 1 + (counts - insert.long())  # slot l's token lands after position l's new place
-    out[rows[:, :-1][insert], slots[insert]] = picks[insert]
-    return out, new_lengths
+    and l + 1) of ``hypotheses`` (N, T) of ``lengths`` (N,) -> (new hypotheses (N, T'), new lengths (N,)): one
+    placeholder per chosen slot (:func:`~tokenloom.models.nat_kinds.edits.insert_placeholders`, the Levenshtein
+    decoding's), then the picks in their place, slot order being reading order."""
+    out = insert_placeholders(hypotheses, insert.long(), -1, pad_id)  # -1: an id no hypothesis holds
+    out[out == -1] = picks[insert]
+    return out, lengths + insert.long().sum(1)
 
 
 def insertion_loop(slot_argmax: SlotArgmax, batch: int, *, bos_id: int, eos_id: int, pad_id: int, end_id: int,

@@ -22,14 +22,8 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..models.nat import NonAutoregressiveTransformer
-from ..models.nat_kinds.levenshtein import (
-    decoder_states,
-    delete_tokens,
-    deletion_logits,
-    insert_placeholders,
-    placeholder_logits,
-    token_logits,
-)
+from ..models.nat_kinds.edits import delete_tokens, insert_placeholders
+from ..models.nat_kinds.levenshtein import decoder_states, deletion_logits, placeholder_logits, token_logits
 from .parallel import NAT_DECODINGS, ban, record_rounds
 
 MemoryKV = list[tuple[Tensor, Tensor]]
