@@ -30,6 +30,7 @@ GUIDE: dict[str, tuple[str, list[str]]] = {
     "guide/language-models.md": ("Language models", ["Using it", "The bundled checkpoint"]),
     "guide/recipes.md": ("Recipes, precision and experiments", ["Recipes and precision"]),
     "guide/long-sequences.md": ("Long sequences", ["Long sequences (sliding window, Transformer-XL, chunks)"]),
+    "guide/adaptive.md": ("Adaptive computation and RNNs", ["Adaptive computation and the recurrent baseline"]),
     "guide/translation.md": ("Translation", ["Translation (encoder-decoder)"]),
     "guide/nat.md": ("Non-autoregressive translation", ["Non-autoregressive translation (NAT, Mask-Predict, CTC)"]),
     "guide/vision.md": ("Vision", ["Vision (ViT and Swin)"]),

@@ -39,7 +39,7 @@ from .strategies import assert_one_line, floats, ints, note, weird_text, yaml_va
 pytestmark = pytest.mark.fuzz
 
 # the model families each task trains (a recipe may name any family; these are the ones whose fields matter)
-TASK_FAMILIES = {"lm": ["gpt"], "translation": ["seq2seq"], "nat_translation": ["nat"],
+TASK_FAMILIES = {"lm": ["gpt", "rnn"], "translation": ["seq2seq"], "nat_translation": ["nat"],
                  "image_classification": ["vit", "swin"]}
 
 

@@ -9,7 +9,8 @@ from tokenloom.errors import RegistryError
 from tokenloom.models.registry import DECODERS, MODELS, declare_decoding, decoding_of
 
 EXPECTED = {"gpt": "causal_lm", "seq2seq": "encoder_decoder", "nat": "parallel", "semi_ar": "semi_autoregressive",
-            "vit": None, "swin": None}
+            "vit": None, "swin": None, "universal": "causal_lm",
+            "rnn": "causal_lm"}
 
 
 @pytest.mark.parametrize("family", MODELS.names())

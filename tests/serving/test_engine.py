@@ -48,6 +48,13 @@ def run_all(engine, jobs):
     return results
 
 
+def assert_offline(model, jobs, results):
+    """Each job's served text is the offline generation's, ended by its length limit."""
+    for (ids, config, _), (text, reason) in zip(jobs, results, strict=True):
+        out = generate(model, torch.tensor([ids]), config)[0, len(ids):].tolist()
+        assert text == Letters().decode(out) and reason == "length"
+
+
 @pytest.mark.parametrize("position", ["learned", "rope", "alibi"])
 def test_requests_joining_and_leaving_the_batch_equal_offline_generation(position):
     model = small_model(position=position)
@@ -63,9 +70,7 @@ def test_requests_joining_and_leaving_the_batch_equal_offline_generation(positio
         results = run_all(engine, jobs)
     finally:
         engine.stop()
-    for (ids, config, _), (text, reason) in zip(jobs, results, strict=True):
-        out = generate(model, torch.tensor([ids]), config)[0, len(ids):].tolist()
-        assert text == Letters().decode(out) and reason == "length"
+    assert_offline(model, jobs, results)
 
 
 def test_stop_strings_cut_the_text_before_them():
@@ -150,3 +155,22 @@ def test_a_request_that_fails_to_start_fails_alone_and_the_engine_goes_on():
     finally:
         engine.stop()
     assert not engine.alive
+
+
+def test_a_universal_transformer_with_act_serves_its_offline_tokens():
+    """The engine's ragged key/value cache holds the Universal Transformer's one layer per step (positions halting
+    on their own): rows joining and leaving give the offline tokens."""
+    from tokenloom.models import UniversalConfig, UniversalTransformer
+
+    torch.manual_seed(0)
+    model = UniversalTransformer(UniversalConfig(vocab_size=40, max_steps=3, num_heads=2, embed_dim=32,
+                                                 max_seq_len=48, halting_bias=-1.0)).eval()
+    engine = Engine(model, Letters(), max_batch=2, max_queue=8).start()
+    try:
+        gen = torch.Generator().manual_seed(1)
+        jobs = [(torch.randint(0, 40, (2 + i,), generator=gen).tolist(),
+                 GenerationConfig(max_new_tokens=4 + 2 * i, do_sample=False), []) for i in range(4)]
+        results = run_all(engine, jobs)
+    finally:
+        engine.stop()
+    assert_offline(model, jobs, results)

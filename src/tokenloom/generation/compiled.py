@@ -19,8 +19,9 @@ On CUDA the step compiles with ``mode="reduce-overhead"`` (CUDA graphs: one grap
 tensors and the position marked as static addresses so the graph writes them in place.
 
 Where compilation is unavailable (no ``torch.compile``, no C++ compiler for Inductor's CPU kernels), the model
-is not a causal language model or uses linear attention (its decode state is not a key/value cache), or
-compiling fails, decoding warns once (one line) and runs eagerly: the tokens are the same either way.
+is not a causal language model, uses linear attention or decodes over another strategy than a key/value cache
+(a recurrent network's state), or compiling fails, decoding warns once (one line) and runs eagerly: the tokens are
+the same either way.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from torch import Tensor, nn
 
 from ..compilation import compile_unavailable, first_line, from_compiler, separate_inductor_cache
 from ..models.registry import decoding_of
-from ..nn.kv_cache import StaticKVCache, StaticView
+from ..nn.kv_cache import KVCache, StaticKVCache, StaticView
 
 CACHE_MULTIPLE = 64  # static cache lengths are rounded up to this (within the model's context)
 BACKEND = "inductor"  # torch.compile's backend for generate(compile=True) (tests swap in a counting one)
@@ -58,6 +59,9 @@ def why_not_compiled(model: nn.Module, backend=None, length: int | None = None) 
     if getattr(config, "attention_window", None) and length is not None and length > config.max_seq_len:
         return (f"{length} positions are past max_seq_len={config.max_seq_len}: a sliding-window model decodes that "
                 "far over its rolling cache, not a static one")
+    cache = model.create_cache(1, 1, rolling=False)  # the strategy its decoding keeps (one row, one position)
+    if not isinstance(cache, KVCache):  # e.g. a recurrent network's RecurrentState: no positions to make static
+        return f"{type(model).__name__} decodes over a {type(cache).__name__}, not a key/value cache to make static"
     return compile_unavailable() if (backend or BACKEND) == "inductor" else None
 
 

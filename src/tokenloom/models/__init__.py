@@ -3,11 +3,14 @@
 from .gpt import GPT, GPT_PRESETS, GPTConfig
 from .nat import NATConfig, NonAutoregressiveTransformer
 from .registry import MODELS
+from .rnn import RNNLM, RNNConfig
 from .semi_ar import SemiARConfig, SemiAutoregressiveTransformer
 from .seq2seq import EncoderDecoder, Seq2SeqCache, Seq2SeqConfig, Seq2SeqDecoder
 from .swin import SWIN_PRESETS, Swin, SwinConfig
+from .universal import PonderOutput, UniversalConfig, UniversalTransformer
 from .vit import VIT_PRESETS, ViT, ViTConfig
 
 __all__ = ["GPT", "GPT_PRESETS", "EncoderDecoder", "GPTConfig", "MODELS", "NATConfig", "NonAutoregressiveTransformer",
-           "SWIN_PRESETS", "SemiARConfig", "SemiAutoregressiveTransformer", "Seq2SeqCache",
-           "Seq2SeqConfig", "Seq2SeqDecoder", "Swin", "SwinConfig", "VIT_PRESETS", "ViT", "ViTConfig"]
+           "RNNLM", "RNNConfig", "SWIN_PRESETS", "SemiARConfig", "SemiAutoregressiveTransformer", "Seq2SeqCache",
+           "Seq2SeqConfig", "Seq2SeqDecoder", "Swin", "SwinConfig", "PonderOutput", "UniversalConfig",
+           "UniversalTransformer", "VIT_PRESETS", "ViT", "ViTConfig"]

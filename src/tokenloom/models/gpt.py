@@ -31,8 +31,9 @@ from ..nn.attention import Context, capturing
 from ..nn.block import StepFunctions, step_functions
 from ..nn.dropout import Dropout
 from ..nn.kv_cache import DecodeCache, RollingKVCache, SegmentMemory
-from ..nn.masks import positions_from_mask, sequence_span
+from ..nn.masks import KeySpan, positions_from_mask, sequence_span
 from ..nn.sliding import Window, plan_attention
+from .counting import CountsParameters
 from .options import attention_options, check_block_options, check_memory_options, check_window_options, from_preset
 from .registry import MODELS, declare_decoding
 
@@ -106,8 +107,68 @@ GPT_PRESETS: dict[str, dict] = {
 }
 
 
+def init_gpt_weights(model: nn.Module, depth: int) -> None:
+    """GPT-2's initialisation: linear and embedding weights from N(0, 0.02), zero biases, and the residual
+    projections (attention output, MLP output) from N(0, 0.02 / sqrt(2 * depth)), ``depth`` the blocks applied."""
+
+    def init(module: nn.Module) -> None:
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    model.apply(init)
+    for name, p in model.named_parameters():
+        if name.endswith(("out_proj.weight", "fc_out.weight")):
+            nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * depth))
+
+
+def causal_span(input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None,
+                cache: DecodeCache | None, position: nn.Module, max_positions: int | None,
+                max_seq_len: int) -> tuple[KeySpan, Tensor]:
+    """The key span of a causal LM's call over ``cache`` (None: the whole sequence) and the (B, T) positions of its
+    queries (given, or counted from the cache and the (B, S) ``attention_mask``). Refuses a sequence past the
+    context (``max_positions``, the cache's capacity) and grows ``position``'s tables past ``max_seq_len`` where the
+    scheme extrapolates. Shared by the causal LMs (GPT, the Universal Transformer)."""
+    B, T = input_ids.shape
+    span = cache.span(T, attention_mask) if cache is not None else sequence_span(T, attention_mask)
+    if span.extent is not None:
+        capacity = cache.max_len if cache is not None else None
+        limits = [n for n in (max_positions, capacity) if n is not None]
+        if limits and span.extent > min(limits):
+            raise GenerationError(f"sequence of {span.extent} positions exceeds the model's context of "
+                                  f"{min(limits)}")
+        if span.extent > max_seq_len:
+            position.reserve(span.extent)
+    if positions is None:
+        if span.past is None:
+            positions = span.queries.expand(B, T)
+        elif attention_mask is not None:
+            positions = positions_from_mask(attention_mask)[:, span.past:]
+        else:
+            positions = torch.arange(span.past, span.keys, device=input_ids.device)[None].expand(B, T)
+    return span, positions
+
+
+def mask_dtype(x: Tensor) -> torch.dtype:
+    """The dtype of the attention masks for hidden states ``x``: the CPU autocast dtype inside autocast."""
+    return torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") and x.device.type == "cpu" \
+        else x.dtype
+
+
+def causal_context(span: KeySpan, positions: Tensor, T: int, position: nn.Module, window: Window | None,
+                   dtype: torch.dtype, need_weights: bool = False) -> Context:
+    """The attention :class:`~tokenloom.nn.attention.Context` of a causal call (mask, rotary angles of the (B, T)
+    ``positions``), built once and shared by every layer (:func:`~tokenloom.nn.sliding.plan_attention`)."""
+    mask, is_causal, band = plan_attention(span, T, causal=True, window=window, position=position, dtype=dtype,
+                                           device=positions.device, banded=not need_weights and not capturing())
+    return Context(mask, is_causal, position.rotary(positions), ragged=span.ragged, band=band)
+
+
 @declare_decoding("causal_lm")
-class GPT(nn.Module):
+class GPT(CountsParameters, nn.Module):
     """Token embedding (+ positions) -> L blocks -> final norm -> vocabulary logits."""
 
     def __init__(self, config: GPTConfig) -> None:
@@ -130,28 +191,10 @@ class GPT(nn.Module):
         self.final_norm = create_norm(c.norm, c.embed_dim, bias=c.bias, eps=c.norm_eps) \
             if c.norm_placement == "pre" else nn.Identity()
         self.lm_head = nn.Linear(c.embed_dim, c.vocab_size, bias=False)
-        self.apply(self._init_weights)
-        for name, p in self.named_parameters():  # GPT-2: scale residual projections by 1/sqrt(2L)
-            if name.endswith(("out_proj.weight", "fc_out.weight")):
-                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * c.num_layers))
+        init_gpt_weights(self, c.num_layers)
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_embed.weight
         self.window = Window(c.attention_window, True, c.attention_global) if c.attention_window else None
-
-    @staticmethod
-    def _init_weights(module: nn.Module) -> None:
-        if isinstance(module, nn.Linear):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-            if module.bias is not None:
-                nn.init.zeros_(module.bias)
-        elif isinstance(module, nn.Embedding):
-            nn.init.normal_(module.weight, mean=0.0, std=0.02)
-
-    def num_params(self, non_embedding: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())
-        if non_embedding:
-            n -= self.tok_embed.weight.numel()
-        return n
 
     def create_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
                      device: torch.device | str | None = None,
@@ -193,35 +236,17 @@ class GPT(nn.Module):
                   steps: StepFunctions | None) -> tuple[Tensor, list[Tensor | None]]:
         """:meth:`forward_features` with the step functions looked up (None: the modules run)."""
         B, T = input_ids.shape
-        span = cache.span(T, attention_mask) if cache is not None else sequence_span(T, attention_mask)
-        if span.extent is not None:
-            capacity = cache.max_len if cache is not None else None
-            limits = [n for n in (self.config.max_positions, capacity) if n is not None]
-            if limits and span.extent > min(limits):
-                raise GenerationError(f"sequence of {span.extent} positions exceeds the model's context of "
-                                      f"{min(limits)}")
-            if span.extent > self.config.max_seq_len:
-                self.position.reserve(span.extent)
-        device = input_ids.device
-        if positions is None:
-            if span.past is None:
-                positions = span.queries.expand(B, T)
-            elif attention_mask is not None:
-                positions = positions_from_mask(attention_mask)[:, span.past:]
-            else:
-                positions = torch.arange(span.past, span.keys, device=device)[None].expand(B, T)
         position = self.position
+        span, positions = causal_span(input_ids, positions, attention_mask, cache, position,
+                                      self.config.max_positions, self.config.max_seq_len)
+        device = input_ids.device
         x = self.tok_embed(input_ids) if steps is None else torch.embedding(self.tok_embed.weight, input_ids)
         added = position.embed(positions)
         if added is not None:
             x = x + added
         if self.training:
             x = self.embed_dropout(x)
-        dtype = torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu") and device.type == "cpu" \
-            else x.dtype
-        mask, is_causal, band = plan_attention(span, T, causal=True, window=self.window, position=position,
-                                               dtype=dtype, device=device, banded=not need_weights and not capturing())
-        ctx = Context(mask, is_causal, position.rotary(positions), ragged=span.ragged, band=band)
+        ctx = causal_context(span, positions, T, position, self.window, mask_dtype(x), need_weights)
         layers = cache.layers if cache is not None else [None] * len(self.blocks)
         relatives = [None] * len(self.blocks)
         if position.has_relative:  # Transformer-XL's query-dependent term, for the queries at these key indices

@@ -11,6 +11,17 @@ Classes that cannot decode (image classifiers) declare nothing::
     class GPT(nn.Module): ...
 
     decoding_of(model)  # "causal_lm"; a subclass inherits its base's kind unless it declares its own
+
+Pondering (adaptive computation time), declared the same way: a class declared with ``@declare_ponder`` offers
+``forward_ponder(input_ids, *, positions=, attention_mask=, cache=) -> (logits (B, T, V), ponder (B, T))`` (the
+ponder count N + R of each position) and ``ponder_cost`` (tau, a float); the language-modelling task then trains on
+``cross_entropy + ponder_cost * ponder.mean()``. ``ponders(model)`` says whether a model does::
+
+    @declare_ponder
+    @declare_decoding("causal_lm")
+    class UniversalTransformer(nn.Module): ...
+
+    ponders(model)  # True; also for a wrapper holding the model as ``.model`` (train.compile's forward)
 """
 
 from __future__ import annotations
@@ -51,3 +62,23 @@ def decoding_of(model_or_class: object) -> str | None:
         if base in _DECLARED:
             return _DECLARED[base]
     return None
+
+
+_PONDERS: set[type] = set()  # model classes that return a ponder count (ACT)
+
+
+def declare_ponder(cls: M) -> M:
+    """Class decorator: ``cls`` (and its subclasses) offers ``forward_ponder`` and ``ponder_cost`` (see above)."""
+    _PONDERS.add(cls)
+    return cls
+
+
+def ponders(model_or_class: object) -> bool:
+    """Whether a model (instance or class) was declared with :func:`declare_ponder`, along its MRO; an object that
+    is not a declared model but holds one in its ``model`` attribute (the Trainer's compiled forward, which passes
+    attribute access on to the model) answers for that model."""
+    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    if any(base in _PONDERS for base in cls.__mro__):
+        return True
+    inner = getattr(model_or_class, "__dict__", {}).get("model")
+    return inner is not None and inner is not model_or_class and ponders(inner)

@@ -5,6 +5,7 @@ The estimate counts the big tensors, each as ``values x 4 bytes`` (float32, the 
 
 * per attention layer ``2 C^2 + 2 C Hkv D`` (query and output projections, keys and values), per MLP
   ``2 C F`` (``3 C F`` for swiglu), ``F`` the MLP width; Linformer adds ``2 k max_len`` per attention;
+* per recurrent layer ``G H (I + H)`` (G gates: 4 for an LSTM, 3 for a GRU; I its input width, E or H);
 * embeddings ``V C`` (twice when not tied or shared), the classifier ``C K``, the patch projection;
 * position tables: learned and sinusoidal ``max_len x C`` (a sinusoid is computed in float64: 12 bytes a value
   while it is built), RoPE's cos and sin ``2 x max_len x D``; Swin's relative-position tables and indices.
@@ -21,8 +22,10 @@ from typing import Any
 
 from ..nn.attention import backend_options
 from .gpt import GPTConfig
+from .rnn import RNNConfig
 from .seq2seq import Seq2SeqConfig
 from .swin import SwinConfig
+from .universal import UniversalConfig
 from .vit import ViTConfig
 
 FLOAT32 = 4
@@ -77,6 +80,15 @@ def _gpt(c: GPTConfig, prefix: str) -> list[Part]:
             *_positions(prefix, "max_seq_len", c.position, c.max_seq_len, c)]
 
 
+def _universal(c: UniversalConfig, prefix: str) -> list[Part]:
+    kv = c.num_kv_heads or c.num_heads
+    block = _attention(c, kv, c.max_seq_len) + _mlp(c.embed_dim, c.mlp_hidden, c.mlp)
+    return [Part(f"{prefix}embed_dim={c.embed_dim}", f"one shared block of width {c.embed_dim}", block),
+            Part(f"{prefix}vocab_size={c.vocab_size}", f"embeddings of {c.vocab_size} tokens",
+                 c.vocab_size * c.embed_dim * (1 if c.tie_embeddings else 2)),
+            *_positions(prefix, "max_seq_len", c.position, c.max_seq_len, c)]
+
+
 def _seq2seq(c: Seq2SeqConfig, prefix: str) -> list[Part]:
     kv = c.num_kv_heads or c.num_heads
     longest = max(c.max_source_len, c.max_target_len)
@@ -120,8 +132,18 @@ def _swin(c: SwinConfig, prefix: str) -> list[Part]:
             Part(f"{prefix}num_classes={c.num_classes}", "classifier", c.num_classes * c.num_features)]
 
 
+def _rnn(c: RNNConfig, prefix: str) -> list[Part]:
+    gates = 4 if c.cell == "lstm" else 3  # LSTM: input, forget, cell, output; GRU: reset, update, new
+    E, H = c.embed_dim, c.hidden
+    layers = gates * H * (E + H) + (c.num_layers - 1) * gates * H * 2 * H
+    head = H * E if c.tie_embeddings and H != E else 0 if c.tie_embeddings else H * c.vocab_size
+    return [Part(f"{prefix}num_layers={c.num_layers}", f"{c.num_layers} {c.cell} layers of width {H}", layers),
+            Part(f"{prefix}vocab_size={c.vocab_size}", f"embeddings of {c.vocab_size} tokens", c.vocab_size * E + head)]
+
+
 _ESTIMATES: list[tuple[type, Callable[[Any, str], list[Part]]]] = [
-    (GPTConfig, _gpt), (Seq2SeqConfig, _seq2seq), (ViTConfig, _vit), (SwinConfig, _swin)]  # NATConfig: seq2seq
+    (GPTConfig, _gpt), (Seq2SeqConfig, _seq2seq), (ViTConfig, _vit), (SwinConfig, _swin),
+    (RNNConfig, _rnn), (UniversalConfig, _universal)]  # NATConfig: seq2seq
 
 
 def model_parts(config: Any, prefix: str = "model.") -> list[Part]:
@@ -191,7 +213,9 @@ def check_kv_cache(config: Any, rows: int, length: int, bytes_per_value: int, wh
     from ..budget import check_memory, describe_kv_cache, kv_cache_bytes
     from ..errors import GenerationError
 
-    layers = config.decoder_layers if isinstance(config, Seq2SeqConfig) else getattr(config, "num_layers", 0)
+    layers = config.decoder_layers if isinstance(config, Seq2SeqConfig) else \
+        config.max_steps if isinstance(config, UniversalConfig) else getattr(config, "num_layers", 0)  # (UT: a layer
+    #   of the cache per step)
     heads = getattr(config, "num_kv_heads", None) or getattr(config, "num_heads", 0)
     shape = (layers, rows, heads, length, getattr(config, "head_dim", 0), bytes_per_value)
     label = describe_kv_cache(*shape) if copies == 1 else f"{copies} x {describe_kv_cache(*shape)}"

@@ -1,6 +1,8 @@
 """Building blocks: attention and its backends, KV cache, positions, norms, MLPs, blocks, masks, patch
-embedding and window helpers for vision models, encoding long inputs in overlapping chunks."""
+embedding and window helpers for vision models, encoding long inputs in overlapping chunks, adaptive computation
+time (halting per position)."""
 
+from .act import ACTResult, ACTState, HaltingUnit, act_step, adaptive_computation
 from .attention import ATTENTION_BACKENDS, Context, MultiHeadAttention
 from .block import BLOCKS, PostNormBlock, PreNormBlock, create_block
 from .chunking import Chunks, encode_chunks, encode_in_chunks, fuse_chunks, pool_chunks, split_chunks
@@ -20,6 +22,7 @@ from .positions import (
 from .windows import relative_position_index, shifted_window_mask, window_partition, window_reverse
 
 __all__ = [
+    "ACTResult", "ACTState", "HaltingUnit", "act_step", "adaptive_computation",
     "ATTENTION_BACKENDS", "BLOCKS", "MLPS", "NORMS", "POSITIONS", "ROPE_SCALINGS", "Chunks", "Context", "KVCache",
     "LayerCache", "LayerNorm", "MemoryLayer", "RaggedView", "StaticKVCache", "StaticView",
     "MultiHeadAttention", "PatchEmbed", "Position", "PostNormBlock", "PreNormBlock", "RMSNorm", "apply_rotary",

@@ -41,6 +41,7 @@ from ..generation.choose import choose_next, limit_vocabulary, vocabulary_limit
 from ..generation.config import GenerationConfig
 from ..generation.processors import create_processors
 from ..models.sizes import check_kv_cache
+from ..nn.kv_cache import KVCache
 
 
 class QueueFull(Exception):
@@ -94,6 +95,9 @@ class Engine:
         element = next(model.parameters()).element_size()
         check_kv_cache(c, max_batch, self.max_len, element, f"max_batch={max_batch}", error=ConfigError)
         self.cache = model.create_cache(max_batch, self.max_len, rolling=False)
+        if not isinstance(self.cache, KVCache):  # continuous batching moves rows of a dense key/value cache
+            raise ConfigError(f"{type(model).__name__} models cannot be served: continuous batching needs a key/value "
+                              f"cache, and they decode over a {type(self.cache).__name__} (use tokenloom generate)")
         self.device = device_of(model)  # the batch's tokens, positions and caches live beside the weights
         self.lengths = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # cached positions per row
         self.views: dict[int, object] = {}  # running rows -> the cache's first rows as a ragged view

@@ -17,6 +17,7 @@ from ..data.tokenizers import TOKENIZERS, Tokenizer, create_tokenizer
 from ..devices import device_of
 from ..errors import ConfigError, DataError
 from ..models.factory import create_model, model_config_from_dict
+from ..models.registry import ponders
 from .losses import cross_entropy
 from .registry import TASKS, Sharded
 
@@ -43,7 +44,9 @@ class LMDataConfig:
 
 @TASKS.register("lm")
 class LMTask(Sharded):
-    """Batches are (x, y) with y = x shifted by one; the loss is the mean token cross-entropy.
+    """Batches are (x, y) with y = x shifted by one; the loss is the mean token cross-entropy, plus, for a model
+    declared to ponder (adaptive computation time, :func:`~tokenloom.models.registry.ponders`), its
+    ``ponder_cost * mean(N + R)``; evaluation reports the plain cross-entropy and ``{split}_ponder``.
 
     ``order="stream"`` reads the training split as ``batch_size`` (global) contiguous streams, one per batch row,
     each batch the next segment of every stream (:meth:`TextDataset.stream_batch`); each pass over the streams
@@ -133,6 +136,10 @@ class LMTask(Sharded):
             if self._wrapped:
                 self.memory.reset()
             cache = self.memory
+        if ponders(model):  # adaptive computation time: the mean ponder count N + R, weighted by tau
+            logits, ponder = model.forward_ponder(x, cache=cache)  # (B, T, V), (B, T)
+            loss = cross_entropy(logits, y, label_smoothing=self.label_smoothing)
+            return loss + model.ponder_cost * ponder.mean(), y.numel()
         logits = model(x, cache=cache)  # (B, T, V)
         return cross_entropy(logits, y, label_smoothing=self.label_smoothing), y.numel()
 
@@ -169,17 +176,26 @@ class LMTask(Sharded):
             batches = ((x, y, None) for x, y in self.dataset.iter_batches(split, rows, self.seq_len, max_batches))
         else:
             batches = self.dataset.iter_strided(split, rows, self.seq_len, stride, max_batches)
+        pondering, ponder_total = ponders(model), 0.0
         for x, y, scored in batches:
             x, y = x.to(device), y.to(device)
-            logits = model(x, cache=memory) if memory is not None else model(x)
+            if pondering:  # (the loss stays the plain cross-entropy; the mean ponder count is reported)
+                logits, ponder = model.forward_ponder(x)
+            else:
+                logits = model(x, cache=memory) if memory is not None else model(x)
             if scored is not None:  # strided: the targets an earlier window scored are left out (ignore_index)
                 y = y.masked_fill(~scored.to(device), -100)
             n = y.numel() if scored is None else int(scored.sum())
             total += cross_entropy(logits, y).item() * n
+            if pondering:
+                ponder_total += (ponder.sum() if scored is None else ponder[scored.to(device)].sum()).item()
             count += n
             if progress is not None:
                 progress(n)
         if count == 0:
             raise DataError(f"the {split} split has fewer than {self.seq_len + 1} tokens: nothing to evaluate")
         loss = total / count
-        return {f"{split}_loss": loss, f"{split}_ppl": math.exp(min(loss, 50.0)), "tokens": count}
+        out = {f"{split}_loss": loss, f"{split}_ppl": math.exp(min(loss, 50.0)), "tokens": count}
+        if pondering:  # the mean ponder count N + R per scored token
+            out[f"{split}_ponder"] = ponder_total / count
+        return out
