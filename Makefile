@@ -27,6 +27,8 @@ test: install
 # kernels, oneDNN's and MKL's instruction sets, one thread), each with its own Inductor cache: the suite must pass on
 # any x86-64 CPU, not only on the one it was written on. .ci/run runs this after `make test`.
 KERNEL_TESTS := tests/models tests/training tests/generation tests/nn tests/tasks tests/interop tests/registry
+# (not the multi-process tests: they compare processes that run the same kernels, and cost minutes a pass)
+KERNEL_SKIP := --ignore=tests/training/test_distributed.py
 KERNEL_SETTINGS := \
 	"ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2" \
 	"ATEN_CPU_CAPABILITY=default OMP_NUM_THREADS=1"
@@ -44,7 +46,7 @@ test-kernels: install
 			echo "== $$setting: skipped, this CPU's own kernels are these (make test ran them)"; continue; fi;; esac; \
 		echo "== $$setting: $(KERNEL_TESTS)"; \
 		cache=$$(mktemp -d); \
-		env $$setting TORCHINDUCTOR_CACHE_DIR=$$cache $(PY) -m pytest $(KERNEL_TESTS); \
+		env $$setting TORCHINDUCTOR_CACHE_DIR=$$cache $(PY) -m pytest $(KERNEL_TESTS) $(KERNEL_SKIP); \
 		rm -rf $$cache; \
 	done
 
