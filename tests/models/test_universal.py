@@ -36,7 +36,7 @@ def _steps_by_hand(model, ids):
     """The shared block applied step by step outside the model, halted positions frozen, with each step's halting
     probabilities (S, B, T) and states (S, B, T, C); without ACT, all max_steps steps."""
     positions = torch.arange(ids.shape[1])[None].expand_as(ids)
-    x = model.tok_embed(ids)
+    x = model.tok_embed(ids) * model.config.embed_dim ** 0.5  # (scale_embeddings)
     signal = model.position.embed(positions)
     probs, states, running = [], [], torch.ones(ids.shape, dtype=torch.bool)
     total = torch.zeros(ids.shape)
@@ -88,7 +88,7 @@ def test_halting_at_the_first_step_is_one_application_of_the_shared_block(kw):
     ids = torch.randint(0, V, (2, 10))
     logits, ponder = model.forward_ponder(ids)
     positions = torch.arange(10)[None].expand(2, 10)
-    y, _ = model.block(model.tok_embed(ids) + model.position.embed(positions) + model.timestep[0],
+    y, _ = model.block(model.tok_embed(ids) * model.embed_scale + model.position.embed(positions) + model.timestep[0],
                        CAUSAL)
     assert_close(logits, model.lm_head(model.final_norm(y)), what="one step")
     torch.testing.assert_close(ponder, torch.full((2, 10), 2.0))  # N = 1, R = 1

@@ -54,6 +54,8 @@ class UniversalConfig:
     act: bool = True  # adaptive computation time: each position halts on its own (False: exactly max_steps steps)
     act_eps: float = 0.01  # ACT's epsilon: a position halts once its halting probabilities sum to 1 - act_eps
     ponder_cost: float = 0.01  # tau: the training loss adds tau * mean(N + R), the mean ponder count
+    scale_embeddings: bool = True  # multiply token embeddings by sqrt(embed_dim), as the original Transformer and
+    #   the Universal Transformer do: the position and timestep signals added before every step have amplitude 1
     halting_bias: float = 1.0  # initial bias of the halting unit (higher: higher first probabilities, fewer steps)
     num_heads: int = 6  # query heads of the attention layer
     num_kv_heads: int | None = None  # key/value heads (grouped-query attention); None = num_heads
@@ -134,6 +136,7 @@ class UniversalTransformer(CountsParameters, nn.Module):
         self.halting = HaltingUnit(c.embed_dim, c.halting_bias) if c.act else None  # (its own initialisation)
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_embed.weight
+        self.embed_scale = c.embed_dim ** 0.5 if c.scale_embeddings else 1.0
         self.register_buffer("timestep", sinusoid_table(c.max_steps, c.embed_dim), persistent=False)  # (M, C)
 
     @property
@@ -195,7 +198,7 @@ class UniversalTransformer(CountsParameters, nn.Module):
         position = self.position
         span, positions = causal_span(input_ids, positions, attention_mask, cache, position, c.max_positions,
                                       c.max_seq_len)
-        x = self.tok_embed(input_ids)  # (B, T, C)
+        x = self.tok_embed(input_ids) * self.embed_scale  # (B, T, C)
         if self.training:
             x = self.embed_dropout(x)
         signal = position.embed(positions)  # (B, T, C) or None: added before every step
