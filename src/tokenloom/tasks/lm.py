@@ -138,10 +138,11 @@ class LMTask(Sharded):
             cache = self.memory
         if ponders(model):  # adaptive computation time: the mean ponder count N + R, weighted by tau
             logits, ponder = model.forward_ponder(x, cache=cache)  # (B, T, V), (B, T)
-            loss = cross_entropy(logits, y, label_smoothing=self.label_smoothing)
-            return loss + model.ponder_cost * ponder.mean(), y.numel()
-        logits = model(x, cache=cache)  # (B, T, V)
-        return cross_entropy(logits, y, label_smoothing=self.label_smoothing), y.numel()
+            extra = model.ponder_cost * ponder.mean()
+        else:
+            logits, extra = model(x, cache=cache), None  # (B, T, V)
+        loss = cross_entropy(logits, y, label_smoothing=self.label_smoothing)
+        return (loss if extra is None else loss + extra), y.numel()
 
     def eval_split_batches(self, split: str = "val") -> int:
         """How many batches :meth:`evaluate` reads from the whole of ``split`` (``max_batches=None``)."""
