@@ -9,8 +9,8 @@ from tokenloom.errors import RegistryError
 from tokenloom.models.registry import DECODERS, MODELS, declare_decoding, decoding_of
 
 EXPECTED = {"gpt": "causal_lm", "seq2seq": "encoder_decoder", "nat": "parallel", "semi_ar": "semi_autoregressive",
-            "vit": None, "swin": None, "universal": "causal_lm",
-            "rnn": "causal_lm"}
+            "vit": None, "swin": None, "universal": "causal_lm", "universal_seq2seq": "encoder_decoder",
+            "rnn": "causal_lm", "rnn_seq2seq": "encoder_decoder"}
 
 
 @pytest.mark.parametrize("family", MODELS.names())

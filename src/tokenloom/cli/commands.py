@@ -164,14 +164,15 @@ def _continuation(tokenizer, prompt: list[int], new: list[int]) -> str:
     return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new)
 
 
-def _stream_text(model, tokenizer, prompt: str, config) -> str:
+def _stream_text(model, tokenizer, prompt: str, config, **decoding) -> str:
     """Print ``prompt`` and its continuation as the tokens arrive; returns the continuation.
 
     Past the context: a model with an ``attention_window`` (a rolling cache) or a Transformer-XL ``memory_len``
     whose positions extrapolate decodes on in one run. Any other model generates in chunks when the prompt
     plus ``max_new_tokens`` exceeds its context; once the context is full, the last half of it becomes the
     prompt of the next chunk (its cache is rebuilt), so earlier text falls out of view. A stop string that
-    straddles two chunks is not seen.
+    straddles two chunks is not seen. ``decoding`` goes to :func:`~tokenloom.generation.stream` (``exit_heads``,
+    ``exit_tally``).
     """
     from dataclasses import replace
 
@@ -197,7 +198,7 @@ def _stream_text(model, tokenizer, prompt: str, config) -> str:
         produced = 0
         for token in stream(model, torch.tensor([window], device=device_of(model)),
                             replace(config, max_new_tokens=steps, seed=seed),
-                            tokenizer=tokenizer):
+                            tokenizer=tokenizer, **decoding):
             new.append(int(token[0]))
             produced += 1
             text = _continuation(tokenizer, ids, new)
@@ -231,9 +232,11 @@ def generate(args: argparse.Namespace) -> int:
         if args.compile:
             raise ConfigError(f"--compile applies to greedy decoding and sampling; beam search (--beam {args.beam}) "
                               "runs eagerly")
+        _early_exit(args, model)  # beam search refuses early exit in one line (its config)
         return _generate_beam(args, model, tokenizer)
     if args.beam < 1:
         raise ConfigError(f"--beam must be >= 1, got {args.beam}")
+    decoding, kind = _early_exit(args, model)
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1} ---")
@@ -243,9 +246,32 @@ def generate(args: argparse.Namespace) -> int:
                              top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                              stop_strings=[unescape(text) for text in args.stop], eos_token_id=tokenizer.eos_id,
                              seed=seed,
-                             compile=args.compile)
-        _stream_text(model, tokenizer, args.prompt, config)
+                             compile=args.compile, exit_threshold=args.exit_threshold)
+        _stream_text(model, tokenizer, args.prompt, config, **decoding)
+    tally = decoding.get("exit_tally")
+    if args.verbose and tally is not None:
+        print(f"early exit at {args.exit_threshold:g} ({kind} heads): {tally.mean_layers:.2f} of "
+              f"{tally.num_layers} layers per token on average over {tally.positions} tokens", file=sys.stderr)
     return 0
+
+
+def _early_exit(args: argparse.Namespace, model) -> tuple[dict, str | None]:
+    """``--exit-threshold`` / ``--exit-heads``: the early-exit arguments of ``stream`` (``exit_heads``: trained ones
+    loaded from the checkpoint; ``exit_tally``) and the heads' kind; ({}, None) without early exit."""
+    if args.exit_threshold is None:
+        if args.exit_heads is not None:
+            raise ConfigError(f"--exit-heads {args.exit_heads} applies to early exit: give --exit-threshold too")
+        return {}, None
+    from ..generation.early_exit import EXIT_HEADS_FILE, ExitTally, check_early_exit, load_exit_heads
+
+    # a bad value, or beam search / --compile with early exit: the config's one-line error, before anything loads
+    _gen_config(exit_threshold=args.exit_threshold, compile=args.compile, num_beams=max(args.beam, 1),
+                do_sample=args.beam <= 1)
+    check_early_exit(model)
+    ckpt = resolve_checkpoint(args.checkpoint)
+    kind = args.exit_heads or ("trained" if (ckpt / EXIT_HEADS_FILE).is_file() else "shared")
+    heads = load_exit_heads(ckpt, model) if kind == "trained" else None
+    return {"exit_heads": heads, "exit_tally": ExitTally(model.config.num_layers)}, kind
 
 
 def _generate_beam(args: argparse.Namespace, model, tokenizer) -> int:
@@ -261,6 +287,7 @@ def _generate_beam(args: argparse.Namespace, model, tokenizer) -> int:
     if new < 1:
         raise GenerationError(f"prompt of {len(ids)} tokens leaves no room in the model's context of {context}")
     config = _gen_config(max_new_tokens=new, do_sample=False, num_beams=args.beam,
+                         exit_threshold=args.exit_threshold,
                          num_return_sequences=min(args.num_samples, args.beam), length_penalty=args.length_penalty,
                          no_repeat_ngram_size=args.no_repeat_ngram_size, eos_token_id=tokenizer.eos_id)
     with torch.inference_mode():

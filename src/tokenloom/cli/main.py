@@ -1,5 +1,5 @@
-"""``tokenloom train | recipes | sweep | sweep-report | fit-scaling | generate | evaluate | translate | classify |
-distill | bench | viz | report | serve | import | export | completion``.
+"""``tokenloom train | recipes | sweep | sweep-report | fit-scaling | generate | fit-exits | evaluate | translate |
+classify | distill | bench | viz | report | serve | import | export | completion``.
 
 Errors a user can cause print one line (``error: ...``) and exit with status 2; Ctrl-C exits 130. Warnings print
 one line too (``warning: ...``, :func:`one_line_warnings`).
@@ -91,7 +91,34 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--compile", action="store_true",
                    help="one-token steps through torch.compile over a static cache (warns and runs eagerly where "
                         "it cannot; see docs/performance.md for when it pays)")
+    p.add_argument("--exit-threshold", type=float, default=None, metavar="P",
+                   help="depth-adaptive early exit (GPT): a token leaves the layer stack once an exit head's top "
+                        "probability exceeds P, in (0, 1] (1 = never); faster steps, less accurate text")
+    p.add_argument("--exit-heads", choices=("shared", "trained"), default=None,
+                   help="with --exit-threshold: the exit heads, shared (the model's own final norm and output "
+                        "layer) or trained (exit_heads.safetensors, from `tokenloom fit-exits`); default: trained "
+                        "where the checkpoint has them, else shared")
+    p.add_argument("--verbose", action="store_true",
+                   help="print decoding statistics to stderr (with --exit-threshold: the mean layers a token ran)")
     p.set_defaults(func=_run("generate"))
+
+
+def _add_fit_exits(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("fit-exits", help="train early-exit heads for `generate --exit-threshold`",
+                       description="Train the exit heads of a GPT checkpoint for depth-adaptive early exit: a norm "
+                                   "per layer in front of the model's own output layer, with the model frozen (its "
+                                   "own predictions do not change), on random windows of the checkpoint's training "
+                                   "text. Writes exit_heads.safetensors into the checkpoint directory.")
+    p.add_argument("checkpoint", help="checkpoint or run directory (a GPT)")
+    p.add_argument("--steps", type=int, default=100, help="optimizer steps (default 100)")
+    p.add_argument("--batch-size", type=int, default=8, help="windows per step (default 8)")
+    p.add_argument("--seq-len", type=int, default=128, help="tokens per window (default 128)")
+    p.add_argument("--lr", type=float, default=3e-2, help="AdamW learning rate (default 0.03)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the windows drawn (default 0)")
+    p.add_argument("--data", default=None, help="text file to train on (default: the checkpoint's data.path; its "
+                                                "training split, before the last data.val_fraction)")
+    _add_device(p)
+    p.set_defaults(func=_run_in("exits", "fit_exits"))
 
 
 def _add_evaluate(sub: argparse._SubParsersAction) -> None:
@@ -255,7 +282,8 @@ def _add_bench(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_viz(sub: argparse._SubParsersAction) -> None:
-    viz = sub.add_parser("viz", help="attention maps, causal-mask check and head diagnostics, training curves",
+    viz = sub.add_parser("viz", help="attention maps, causal-mask check and head diagnostics, training curves, "
+                                     "ponder maps",
                          description="Look inside a model: attention maps (any backend), checks, curves.")
     kinds = viz.add_subparsers(dest="viz_command", metavar="WHAT", required=True)
     a = kinds.add_parser("attention", help="attention maps as a PNG: heads grid, cross-attention alignment, "
@@ -297,6 +325,23 @@ def _add_viz(sub: argparse._SubParsersAction) -> None:
     v.add_argument("runs", nargs="+", help="run directories")
     v.add_argument("--out", default="curves.png", help="PNG to write (default curves.png)")
     v.set_defaults(func=_run_in("viz", "curves"))
+    n = kinds.add_parser("ponder", help="a text coloured by each token's ponder count (ACT), PNG or HTML; class table",
+                         description="Run a pondering language model (adaptive computation time, family universal) "
+                                     "over a text and draw each character coloured by its ponder count N + R (PNG "
+                                     "or HTML, by the extension of --out); print the mean ponder per character "
+                                     "class (space, punctuation, letter, digit, line start, newline, other) and its "
+                                     "ratio to the letters'.")
+    n.add_argument("checkpoint", help="checkpoint or run directory")
+    n.add_argument("--text", help="the text to look at")
+    n.add_argument("--text-file", help="a UTF-8 file holding the text to look at")
+    n.add_argument("--out", required=True, help="FILE.png or FILE.html to write")
+    n.add_argument("--json", default=None, help="also write the class summary and every token's ponder here")
+    n.add_argument("--too-long", choices=["chunk", "truncate", "error"], default="chunk",
+                   help="text longer than the model's context: run it in overlapping windows (default), keep the "
+                        "start, or refuse")
+    n.add_argument("--width", type=int, default=100, help="PNG: wrap lines longer than this many characters")
+    _add_device(n)
+    n.set_defaults(func=_run_in("viz", "ponder"))
 
 
 def _add_experiments(sub: argparse._SubParsersAction) -> None:
@@ -460,6 +505,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_train(sub)
     _add_experiments(sub)
     _add_generate(sub)
+    _add_fit_exits(sub)
     _add_evaluate(sub)
     _add_translate(sub)
     _add_classify(sub)

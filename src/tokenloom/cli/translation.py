@@ -20,7 +20,7 @@ from ..config import from_dict
 from ..errors import ConfigError
 from ..files import write_atomic
 from ..models.nat_kinds import NAT_KINDS
-from ..models.registry import decoding_of
+from ..models.registry import MODELS, decoding_of
 from .commands import describe_decoding
 from .loading import translation_model
 
@@ -119,9 +119,18 @@ def _parallel_name(model) -> str:
     return f"GLAT {kind}" if model.config.glancing_ratio else kind
 
 
+# an autoregressive family's name in the table (by its MODELS name; the Transformer, and any family not listed: AR)
+AUTOREGRESSIVE_NAMES = {"rnn_seq2seq": lambda model: model.config.cell.upper()}  # LSTM, GRU
+
+
+def _autoregressive_name(model) -> str:
+    family = next((name for name in MODELS.names() if type(model) is MODELS.get(name)[1]), None)
+    return AUTOREGRESSIVE_NAMES[family](model) if family in AUTOREGRESSIVE_NAMES else "AR"
+
+
 # per decoding kind: the model's name in the table, and the decodings it contributes (translate's keyword arguments;
 # rescore=True: with the autoregressive teacher as rescorer, offered when it shares the vocabulary)
-BENCH_NAMES = {"encoder_decoder": lambda model: "AR", "parallel": _parallel_name,
+BENCH_NAMES = {"encoder_decoder": _autoregressive_name, "parallel": _parallel_name,
                "semi_autoregressive": lambda model: f"SAT K={model.config.group_size}"}
 BENCH_VARIANTS = {
     "encoder_decoder": lambda model, can_rescore: [dict(beam=1), dict(beam=5)],

@@ -1,5 +1,5 @@
-"""``tokenloom viz attention | check | curves`` and ``tokenloom report``: attention maps, the causal check and
-head diagnostics, training curves, and the run report, from checkpoints and run directories."""
+"""``tokenloom viz attention | check | curves | ponder`` and ``tokenloom report``: attention maps, the causal check
+and head diagnostics, training curves, ponder maps, and the run report, from checkpoints and run directories."""
 
 from __future__ import annotations
 
@@ -21,21 +21,27 @@ METRICS_FILE = "metrics.jsonl"
 
 # --- loading ----------------------------------------------------------------------------------------------------------
 
-class Loaded:
-    """A checkpoint's model (eval, float32), config, family and tokenizer (None for image models)."""
+ATTENTION_FAMILIES = ("gpt", "seq2seq", "vit")  # the families viz attention and viz check capture
 
-    def __init__(self, run: str | Path, device: str = "cpu") -> None:
+
+class Loaded:
+    """A checkpoint's model (eval, float32), config, family and tokenizer (None for models that do not decode text:
+    image models). ``families``: the families accepted (None: any)."""
+
+    def __init__(self, run: str | Path, device: str = "cpu",
+                 families: tuple[str, ...] | None = ATTENTION_FAMILIES) -> None:
+        from ..models.registry import decoding_of
         from .loading import command_device
 
         self.device = command_device(device).device  # an unknown device fails before the checkpoint is read
         self.ckpt = resolve_checkpoint(run)
         self.config = read_config(self.ckpt)
         self.family = (self.config.get("model") or {}).get("family", "gpt")
-        if self.family not in ("gpt", "seq2seq", "vit"):
+        if families is not None and self.family not in families:
             raise ConfigError(f"{self.ckpt} holds a {self.family!r} model; viz supports gpt, seq2seq and vit "
                               "checkpoints (Swin's window attention and NAT decoding are not captured)")
         self.model, _ = load_model(self.ckpt, device=self.device)
-        self.tokenizer = load_tokenizer(self.ckpt) if self.family != "vit" else None
+        self.tokenizer = load_tokenizer(self.ckpt) if decoding_of(self.model) is not None else None
         # a run directory's checkpoint is RUN/checkpoint: name the run
         self.name = self.ckpt.parent.name if self.ckpt.name == "checkpoint" else self.ckpt.name
 
@@ -293,3 +299,71 @@ def _run_name(run: str, all_runs: list[str]) -> str:
     names = [Path(r).resolve().name for r in all_runs]
     name = Path(run).resolve().name
     return name if names.count(name) == 1 else str(run)
+
+
+# --- viz ponder -------------------------------------------------------------------------------------------------------
+
+PONDER_FORMATS = (".png", ".html")
+
+
+def ponder(args: argparse.Namespace) -> int:
+    from ..models.registry import ponders
+    from ..viz.ponder import check_ponders, format_summary, ponder_summary, render_html, tokens_ponder
+
+    out = Path(args.out)
+    if out.suffix.lower() not in PONDER_FORMATS:
+        raise ConfigError(f"--out {out}: write a .png or an .html file (the format follows the extension)")
+    text = ponder_text(args.text, args.text_file)
+    loaded = Loaded(args.checkpoint, args.device, families=None)
+    if not ponders(loaded.model):
+        raise ConfigError(f"{loaded.ckpt} holds a {loaded.family!r} model, which does not ponder (no adaptive "
+                          "computation time); viz ponder needs a model declared with ACT (family universal)")
+    check_ponders(loaded.model)  # (a language model)
+    if args.too_long == "chunk":
+        ids = loaded.tokenizer.encode(text)
+        if not ids:
+            raise ConfigError("the text is empty after tokenization; give some text")
+        context = loaded.model.config.max_seq_len
+        if len(ids) > context:
+            print(f"note: the text is {len(ids)} tokens, longer than the model's context of {context}: run in windows "
+                  f"of {context} advancing by {context // 2}, each token scored in the first window that holds it",
+                  file=sys.stderr)
+        ids = torch.tensor(ids, device=loaded.device)
+    else:
+        ids = lm_ids(loaded, text, args.too_long)[0]
+    pieces, values, unit = tokens_ponder(loaded.model, loaded.tokenizer, ids)  # values: (T,)
+    summary = ponder_summary(pieces, values)
+    steps = loaded.model.config.max_steps
+    print(f"{loaded.name}: ponder count N + R of {len(pieces)} {unit}s (max_steps {steps}: N + R lies in "
+          f"(1, {steps + 1}])")
+    print(format_summary(summary, unit))
+    title = f"{loaded.name}: ponder count N + R per {unit}"
+    if out.suffix.lower() == ".html":
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(render_html(pieces, values, title, summary), encoding="utf-8")
+    else:
+        plots.plot_ponder(pieces, values, out, title=title, width=args.width)
+    print(f"wrote {out}")
+    if args.json:
+        path = Path(args.json)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        record = {"checkpoint": str(loaded.ckpt), "unit": unit, **summary,
+                  "pieces": pieces, "ponder": [round(v, 6) for v in values.tolist()]}
+        path.write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+        print(f"wrote {path}")
+    return 0
+
+
+def ponder_text(text: str | None, text_file: str | None) -> str:
+    """The text to look at: ``--text`` or the contents of ``--text-file`` (exactly one of them)."""
+    if (text is None) == (text_file is None):
+        raise ConfigError("give the text to look at: --text TEXT or --text-file FILE (one of them)")
+    if text is not None:
+        return text
+    path = Path(text_file)
+    if not path.is_file():
+        raise ConfigError(f"--text-file {path}: no such file")
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        raise ConfigError(f"--text-file {path} is not UTF-8 text ({err.reason} at byte {err.start})") from None

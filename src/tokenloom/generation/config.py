@@ -57,6 +57,9 @@ class GenerationConfig:
     num_return_sequences: int = 1  # best hypotheses beam_search returns per prompt (<= num_beams)
     no_repeat_ngram_size: int = 0  # beam search never repeats an n-gram of this size (prompt included); 0 = off
     compile: bool = False  # one-token steps through torch.compile over a static cache (GPT; greedy or sampling)
+    exit_threshold: float | None = None  # depth-adaptive early exit (GPT; greedy or sampling): a position leaves
+    #   the layer stack once its exit head's largest probability exceeds this, in (0, 1] (1 = never); None = off
+    #   (tokenloom.generation.early_exit)
 
     def __post_init__(self) -> None:
         for f in fields(self):  # the messages below quote the values: each must have a repr
@@ -109,6 +112,14 @@ class GenerationConfig:
         check(isinstance(self.compile, bool), f"compile must be true or false, got {self.compile!r}")
         check(not (self.compile and self.num_beams > 1), f"compile applies to greedy decoding and sampling; beam "
                                                          f"search (num_beams={self.num_beams}) runs eagerly")
+        if self.exit_threshold is not None:
+            check(isinstance(self.exit_threshold, (int, float)) and not isinstance(self.exit_threshold, bool)
+                  and 0 < self.exit_threshold <= 1,
+                  f"exit_threshold must be in (0, 1] (1 = never exit) or None (off), got {self.exit_threshold!r}")
+            check(self.num_beams == 1, f"exit_threshold applies to greedy decoding and sampling; beam search "
+                                       f"(num_beams={self.num_beams}) runs the full model")
+            check(not self.compile, "exit_threshold runs eagerly (its layers depend on each step's exits); "
+                                    "leave compile off")
         if self.num_beams > 1:
             check(self.greedy, f"num_beams={self.num_beams} (beam search) needs do_sample=False: beam sampling is "
                                "not supported")

@@ -22,6 +22,10 @@ The model protocol (:class:`tokenloom.models.GPT` follows it)::
   cache offers it): the rows still decoding run on a smaller batch. The results are the same.
 * ``config.compile``: after the eager prefill, each one-token step runs compiled over a static cache
   (:mod:`tokenloom.generation.compiled`; rows that stop then stay in the batch); the tokens are the same.
+* ``config.exit_threshold``: depth-adaptive early exit (:mod:`tokenloom.generation.early_exit`): each position
+  leaves the layer stack once its exit head is confident enough; ``exit_heads`` are the heads (default: shared, the
+  model's own final norm and output layer), ``exit_tally`` (an :class:`~.early_exit.ExitTally`) adds up the layers
+  the one-token steps ran.
 * :func:`generate` is :func:`stream` run to the end; both run under ``torch.inference_mode()`` with the
   model in eval mode (its previous mode is restored afterwards).
 """
@@ -35,25 +39,31 @@ import torch
 from torch import Tensor, nn
 
 from ..errors import GenerationError
+from ..nn.exits import ExitHeads
 from ..nn.modes import enter_eval, restore_training
 from .choose import choose_next, limit_vocabulary, vocabulary_limit
 from .compiled import StaticDecodeStep, StaticKVCache, static_cache_length, why_not_compiled
 from .config import GenerationConfig
+from .early_exit import EarlyExit, ExitTally
 from .processors import create_processors
 from .requests import Tokenizer, check_prompt, prompt_rows
 
 
 def generate(model: nn.Module, input_ids: Tensor, config: GenerationConfig | None = None,
-             attention_mask: Tensor | None = None, tokenizer: Tokenizer | None = None) -> Tensor:
+             attention_mask: Tensor | None = None, tokenizer: Tokenizer | None = None, *,
+             exit_heads: ExitHeads | None = None, exit_tally: ExitTally | None = None) -> Tensor:
     """(B, T) prompt ids -> (B, T + n) prompt and new ids, n <= ``config.max_new_tokens`` (fewer when every
     row stops early); positions after a row stopped hold ``config.pad_token_id``. With ``config.num_beams``
     > 1 this is beam search's best hypothesis per row (:func:`tokenloom.generation.beam_search` gives the
     n best and their scores)."""
     if config is not None and config.num_beams > 1:
+        if exit_heads is not None or exit_tally is not None:
+            raise GenerationError("exit_heads and exit_tally apply to early exit, which beam search does not run")
         from .beam import beam_search
 
         return beam_search(model, input_ids, config, attention_mask, tokenizer).sequences[:, 0].contiguous()
-    decoding = _Decoding(model, input_ids, config or GenerationConfig(), attention_mask, tokenizer)
+    decoding = _Decoding(model, input_ids, config or GenerationConfig(), attention_mask, tokenizer, exit_heads,
+                         exit_tally)
     steps = sum(1 for _ in decoding)
     out = decoding.sequences[:, :decoding.prompt_len + steps]
     if decoding.padded:
@@ -62,18 +72,27 @@ def generate(model: nn.Module, input_ids: Tensor, config: GenerationConfig | Non
 
 
 def stream(model: nn.Module, input_ids: Tensor, config: GenerationConfig | None = None,
-           attention_mask: Tensor | None = None, tokenizer: Tokenizer | None = None) -> Iterator[Tensor]:
+           attention_mask: Tensor | None = None, tokenizer: Tokenizer | None = None, *,
+           exit_heads: ExitHeads | None = None, exit_tally: ExitTally | None = None) -> Iterator[Tensor]:
     """Yield each step's new tokens, (B,) ids, as they are produced (a stopped row yields
     ``pad_token_id``). The arguments are checked here, before the first step."""
-    return iter(_Decoding(model, input_ids, config or GenerationConfig(), attention_mask, tokenizer))
+    return iter(_Decoding(model, input_ids, config or GenerationConfig(), attention_mask, tokenizer, exit_heads,
+                          exit_tally))
 
 
 class _Decoding:
     """One decoding run: checks the request, preallocates the (B, T + n) output, iterates the steps."""
 
     def __init__(self, model: nn.Module, input_ids: Tensor, config: GenerationConfig,
-                 attention_mask: Tensor | None, tokenizer: Tokenizer | None) -> None:
+                 attention_mask: Tensor | None, tokenizer: Tokenizer | None, exit_heads: ExitHeads | None = None,
+                 exit_tally: ExitTally | None = None) -> None:
         self.model, self.config, self.tokenizer = model, config, tokenizer
+        # what each step calls: the model, or the model under early exit (the protocol's call, cache and config)
+        self.forward = model
+        if config.exit_threshold is not None:
+            self.forward = EarlyExit(model, config.exit_threshold, exit_heads, exit_tally)
+        elif exit_heads is not None or exit_tally is not None:
+            raise GenerationError("exit_heads and exit_tally apply to early exit: set exit_threshold")
         if config.num_beams > 1:
             raise GenerationError(f"num_beams={config.num_beams}: beam search cannot stream (its best hypothesis "
                                   "is known only at the end); use generate() or beam_search()")
@@ -104,7 +123,7 @@ class _Decoding:
             self.generator = torch.Generator(device=input_ids.device).manual_seed(config.seed)
 
     def __iter__(self) -> Iterator[Tensor]:
-        model, config, sequences = self.model, self.config, self.sequences
+        model, forward, config, sequences = self.model, self.forward, self.config, self.sequences
         B, T, n = sequences.shape[0], self.prompt_len, config.max_new_tokens
         processors, generator, greedy = self.processors, self.generator, config.greedy
         columns, yielded = self.columns, self.yielded
@@ -139,7 +158,7 @@ class _Decoding:
                 with inference:
                     logits = static(tokens, step_pos) if static is not None and t else None  # (B, 1, V) | None
                     if logits is None:
-                        logits = model(tokens, positions=step_pos, attention_mask=mask, cache=cache)  # (A, T|1, V)
+                        logits = forward(tokens, positions=step_pos, attention_mask=mask, cache=cache)  # (A, T|1, V)
                         if t and static is not None:  # its compilation failed: eager from now on
                             static = None
                     scores = limit_vocabulary(logits[:, -1], self.vocab_limit)  # (A, V) float32

@@ -229,12 +229,15 @@ class GPT(CountsParameters, nn.Module):
         plain functions (:func:`~tokenloom.nn.block.step_functions`), the same bodies as the modules.
         """
         return self._features(input_ids, positions, attention_mask, cache, need_weights,
-                              self._steps(cache, input_ids.shape[1], need_weights))
+                              self.decode_steps(cache, input_ids.shape[1], need_weights))
 
-    def _features(self, input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None,
-                  cache: DecodeCache | None, need_weights: bool,
-                  steps: StepFunctions | None) -> tuple[Tensor, list[Tensor | None]]:
-        """:meth:`forward_features` with the step functions looked up (None: the modules run)."""
+    def layer_inputs(self, input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None,
+                     cache: DecodeCache | None, need_weights: bool = False,
+                     steps: StepFunctions | None = None) -> tuple[Tensor, list[Context]]:
+        """What the blocks run on: the embedded (B, T) ids, (B, T, C) ((B, C) for the plain one-token ``steps``),
+        and each layer's attention :class:`~tokenloom.nn.attention.Context` (mask, rotary angles, its cache
+        layer). The caller runs the layers and then advances ``cache`` by T (:meth:`_features`; early exit,
+        :mod:`tokenloom.generation.early_exit`)."""
         B, T = input_ids.shape
         position = self.position
         span, positions = causal_span(input_ids, positions, attention_mask, cache, position,
@@ -253,16 +256,26 @@ class GPT(CountsParameters, nn.Module):
             q_index = span.queries if span.queries is not None else \
                 torch.arange(span.past, span.keys, device=device)[None]
             relatives = [position.relative(i, q_index) for i in range(len(self.blocks))]
-        if steps is not None:
-            x = x.view(B, -1)  # (B, C): the step functions take one position per row
+        if steps is not None:  # (B, C): the step functions take one position per row
             mask, rope = ctx.mask, ctx.rope
-            for block, layer, relative in zip(steps.blocks, layers, relatives, strict=True):
-                x = block(x, Context(mask, False, rope, layer, ragged=span.ragged, relative=relative))
+            return x.view(B, -1), [Context(mask, False, rope, layer, ragged=span.ragged, relative=relative)
+                                   for layer, relative in zip(layers, relatives, strict=True)]
+        return x, [ctx._replace(cache=layer, relative=relative)
+                   for layer, relative in zip(layers, relatives, strict=True)]
+
+    def _features(self, input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None,
+                  cache: DecodeCache | None, need_weights: bool,
+                  steps: StepFunctions | None) -> tuple[Tensor, list[Tensor | None]]:
+        """:meth:`forward_features` with the step functions looked up (None: the modules run)."""
+        B, T = input_ids.shape
+        x, contexts = self.layer_inputs(input_ids, positions, attention_mask, cache, need_weights, steps)
+        if steps is not None:
+            for block, layer_ctx in zip(steps.blocks, contexts, strict=True):
+                x = block(x, layer_ctx)
             cache.advance(1)
             return steps.final_norm(x).view(B, 1, -1), [None] * len(steps.blocks)
         weights = []
-        for block, layer, relative in zip(self.blocks, layers, relatives, strict=True):
-            layer_ctx = ctx._replace(cache=layer, relative=relative)
+        for block, layer_ctx in zip(self.blocks, contexts, strict=True):
             if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x, w = checkpoint(block, x, layer_ctx, use_reentrant=False, need_weights=need_weights)
             else:
@@ -272,7 +285,7 @@ class GPT(CountsParameters, nn.Module):
             cache.advance(T)
         return self.final_norm(x), weights
 
-    def _steps(self, cache: DecodeCache | None, T: int, need_weights: bool = False) -> StepFunctions | None:
+    def decode_steps(self, cache: DecodeCache | None, T: int, need_weights: bool = False) -> StepFunctions | None:
         """The plain one-token step functions for ``cache``, or None where the modules run (training, more than
         one position, weights asked for, a cache strategy that wants the modules, forward hooks)."""
         if T != 1 or cache is None or not cache.plain or need_weights or self.training:
@@ -293,7 +306,7 @@ class GPT(CountsParameters, nn.Module):
         segment = self.config.max_seq_len
         if isinstance(cache, SegmentMemory) and input_ids.shape[1] > segment:
             return torch.cat([self(part, cache=cache) for part in input_ids.split(segment, dim=1)], dim=1)
-        steps = self._steps(cache, input_ids.shape[1])
+        steps = self.decode_steps(cache, input_ids.shape[1])
         hidden, _ = self._features(input_ids, positions, attention_mask, cache, False, steps)
         return steps.head(hidden[:, 0])[:, None] if steps is not None else self.forward_head(hidden)
 

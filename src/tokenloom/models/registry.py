@@ -13,9 +13,13 @@ Classes that cannot decode (image classifiers) declare nothing::
     decoding_of(model)  # "causal_lm"; a subclass inherits its base's kind unless it declares its own
 
 Pondering (adaptive computation time), declared the same way: a class declared with ``@declare_ponder`` offers
+``ponder_cost`` (tau, a float) and ``forward_ponder``, in the form of its decoding kind: a causal LM's
 ``forward_ponder(input_ids, *, positions=, attention_mask=, cache=) -> (logits (B, T, V), ponder (B, T))`` (the
-ponder count N + R of each position) and ``ponder_cost`` (tau, a float); the language-modelling task then trains on
-``cross_entropy + ponder_cost * ponder.mean()``. ``ponders(model)`` says whether a model does::
+ponder count N + R of each position), and the language-modelling task trains on
+``cross_entropy + ponder_cost * ponder.mean()``; an encoder-decoder's ``forward_ponder(source, target_in,
+source_mask) -> (logits (B, T, V), ponder (B, S))`` and ``encode_ponder(source, source_mask) -> (memory, ponder)``
+(the ponder of each source position, 0 at padding), and the translation task adds ``ponder_cost`` times the mean
+over the real source positions. ``ponders(model)`` says whether a model does::
 
     @declare_ponder
     @declare_decoding("causal_lm")

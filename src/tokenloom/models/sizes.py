@@ -5,7 +5,8 @@ The estimate counts the big tensors, each as ``values x 4 bytes`` (float32, the 
 
 * per attention layer ``2 C^2 + 2 C Hkv D`` (query and output projections, keys and values), per MLP
   ``2 C F`` (``3 C F`` for swiglu), ``F`` the MLP width; Linformer adds ``2 k max_len`` per attention;
-* per recurrent layer ``G H (I + H)`` (G gates: 4 for an LSTM, 3 for a GRU; I its input width, E or H);
+* per recurrent layer ``G H (I + H)`` (G gates: 4 for an LSTM, 3 for a GRU; I its input width, E or H; per
+  direction of a bidirectional encoder); a recurrent encoder-decoder's attention, ``W_c`` and bridge;
 * embeddings ``V C`` (twice when not tied or shared), the classifier ``C K``, the patch projection;
 * position tables: learned and sinusoidal ``max_len x C`` (a sinusoid is computed in float64: 12 bytes a value
   while it is built), RoPE's cos and sin ``2 x max_len x D``; Swin's relative-position tables and indices.
@@ -23,6 +24,7 @@ from typing import Any
 from ..nn.attention import backend_options
 from .gpt import GPTConfig
 from .rnn import RNNConfig
+from .rnn_seq2seq import RNNSeq2SeqConfig
 from .seq2seq import Seq2SeqConfig
 from .swin import SwinConfig
 from .universal import UniversalConfig
@@ -141,9 +143,28 @@ def _rnn(c: RNNConfig, prefix: str) -> list[Part]:
             Part(f"{prefix}vocab_size={c.vocab_size}", f"embeddings of {c.vocab_size} tokens", c.vocab_size * E + head)]
 
 
+def _rnn_seq2seq(c: RNNSeq2SeqConfig, prefix: str) -> list[Part]:
+    gates = 4 if c.cell == "lstm" else 3
+    E, H, L = c.embed_dim, c.hidden_dim, c.num_layers
+    D = 2 if c.bidirectional else 1
+    Hd = H // D  # the encoder's width per direction
+    encoder = D * gates * Hd * (E + Hd) + (c.encoder_layers - 1) * D * gates * Hd * (H + Hd)
+    decoder = gates * H * (E + 2 * H) + (L - 1) * gates * H * 2 * H  # input feeding: [embedding; h~]
+    attention = {"general": H * H, "dot": 0, "concat": 2 * H * H + H}[c.attention]
+    bridge = (2 if c.cell == "lstm" else 1) * L * H * H if c.bridge == "linear" else 0
+    head = H * E if c.tie_embeddings and H != E else 0 if c.tie_embeddings else H * c.vocab_size
+    return [Part(f"{prefix}encoder_layers={c.encoder_layers}", f"{c.encoder_layers} {c.cell} encoder layers of "
+                 f"width {H}", encoder),
+            Part(f"{prefix}num_layers={L}", f"{L} {c.cell} decoder layers of width {H}", decoder),
+            Part(f"{prefix}hidden_dim={H}", f"attention, attentional layer and bridge of width {H}",
+                 attention + 2 * H * H + bridge),
+            Part(f"{prefix}vocab_size={c.vocab_size}", f"embeddings of {c.vocab_size} tokens",
+                 (1 if c.share_embeddings else 2) * c.vocab_size * E + head)]
+
+
 _ESTIMATES: list[tuple[type, Callable[[Any, str], list[Part]]]] = [
     (GPTConfig, _gpt), (Seq2SeqConfig, _seq2seq), (ViTConfig, _vit), (SwinConfig, _swin),
-    (RNNConfig, _rnn), (UniversalConfig, _universal)]  # NATConfig: seq2seq
+    (RNNConfig, _rnn), (RNNSeq2SeqConfig, _rnn_seq2seq), (UniversalConfig, _universal)]  # NATConfig: seq2seq
 
 
 def model_parts(config: Any, prefix: str = "model.") -> list[Part]:

@@ -97,6 +97,18 @@ class UniversalConfig:
         self.max_positions = self.max_seq_len
 
 
+def timing_signal_table(max_steps: int, embed_dim: int) -> Tensor:
+    """(M, C) the sinusoidal timestep signal: row m is added to every position's state before step m (0-based)."""
+    return sinusoid_table(max_steps, embed_dim)
+
+
+def with_coordinates(x: Tensor, signal: Tensor | None, timestep: Tensor, step: int) -> Tensor:
+    """(..., C) states ``x`` plus the coordinate signal of ``step`` (0-based), what the shared block reads before
+    every step: the positions' embedding ``signal`` (..., C), None where the position scheme adds none (RoPE,
+    ALiBi, T5), and row ``step`` of the (M, C) ``timestep`` table (:func:`timing_signal_table`)."""
+    return x + timestep[step] if signal is None else x + signal + timestep[step]
+
+
 class PonderOutput(NamedTuple):
     """:meth:`UniversalTransformer.forward_ponder`'s result."""
 
@@ -137,7 +149,7 @@ class UniversalTransformer(CountsParameters, nn.Module):
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_embed.weight
         self.embed_scale = c.embed_dim ** 0.5 if c.scale_embeddings else 1.0
-        self.register_buffer("timestep", sinusoid_table(c.max_steps, c.embed_dim), persistent=False)  # (M, C)
+        self.register_buffer("timestep", timing_signal_table(c.max_steps, c.embed_dim), persistent=False)  # (M, C)
 
     @property
     def ponder_cost(self) -> float:
@@ -217,8 +229,7 @@ class UniversalTransformer(CountsParameters, nn.Module):
 
         acc, weights = None, []
         for m, layer in enumerate(layers):
-            h = x + self.timestep[m] if signal is None else x + signal + self.timestep[m]
-            y, w = run(h, layer)
+            y, w = run(with_coordinates(x, signal, self.timestep, m), layer)
             weights.append(w)
             if self.halting is None:
                 x = y

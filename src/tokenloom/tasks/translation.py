@@ -30,7 +30,7 @@ from ..devices import device_of, to_device
 from ..errors import ConfigError, DataError, GenerationError
 from ..models.factory import create_model, model_config_from_dict
 from ..models.nat_kinds import decoding_options
-from ..models.registry import MODELS, decoding_of
+from ..models.registry import MODELS, decoding_of, ponders
 from .losses import cross_entropy
 from .registry import TASKS, Sharded
 
@@ -121,8 +121,9 @@ class TranslationTask(Sharded):
         model_cls = MODELS.get(family)[1]
         kind = decoding_of(model_cls)
         if kind not in TEACHER_FORCED:
-            raise ConfigError(f"task 'translation' needs an autoregressive encoder-decoder model (family seq2seq or "
-                              f"semi_ar), got {family!r}"
+            families = [name for name in MODELS.names() if decoding_of(MODELS.get(name)[1]) in TEACHER_FORCED]
+            raise ConfigError(f"task 'translation' needs an autoregressive encoder-decoder model (family "
+                              f"{', '.join(families)}), got {family!r}"
                               + (" (train it with task nat_translation)" if family == "nat" else ""))
         if scheduled_sampling is not None and kind != "encoder_decoder":
             raise ConfigError(f"train.scheduled_sampling feeds an autoregressive decoder its own predictions; family "
@@ -181,17 +182,26 @@ class TranslationTask(Sharded):
 
     def loss(self, model: nn.Module, batch: ParallelBatch) -> tuple[Tensor, int]:
         teacher = self.scheduled_sampling.teacher_probability(self.step) if self.scheduled_sampling else 1.0
+        ponder = None
         if teacher < 1.0 and model.training:
-            logits = self._scheduled_sampling_logits(model, batch, 1.0 - teacher)
+            memory, ponder = model.encode_ponder(batch.source, batch.source_mask) if ponders(model) else (None, None)
+            logits = self._scheduled_sampling_logits(model, batch, 1.0 - teacher, memory)
+        elif ponders(model):  # adaptive computation time in the encoder: (B, T, V) logits, (B, S) ponder counts
+            logits, ponder = model.forward_ponder(batch.source, batch.target_in, batch.source_mask)
         else:
             logits = model(batch.source, batch.target_in, batch.source_mask)  # (B, T, V)
         loss = cross_entropy(logits, batch.target_out, label_smoothing=self.label_smoothing,
                              ignore_index=self.ids["pad_id"])
+        if ponder is not None:  # + tau * the mean ponder count N + R of the real source positions
+            loss = loss + model.ponder_cost * source_mean(ponder, batch.source_mask)
         return loss, batch.num_target_tokens
 
-    def _scheduled_sampling_logits(self, model: nn.Module, batch: ParallelBatch, replace: float) -> Tensor:
-        """Two passes (see ScheduledSamplingConfig): gold inputs -> predictions -> mixed inputs -> logits."""
-        memory = model.encode(batch.source, batch.source_mask)
+    def _scheduled_sampling_logits(self, model: nn.Module, batch: ParallelBatch, replace: float,
+                                   memory: Tensor | None = None) -> Tensor:
+        """Two passes (see ScheduledSamplingConfig): gold inputs -> predictions -> mixed inputs -> logits, over
+        ``memory`` (the sources encoded; None: encoded here)."""
+        if memory is None:
+            memory = model.encode(batch.source, batch.source_mask)
         with torch.no_grad():
             first = model.decode(batch.target_in, memory, batch.source_mask)  # (B, T, V)
             if self.scheduled_sampling is not None and self.scheduled_sampling.sample:
@@ -213,7 +223,8 @@ class TranslationTask(Sharded):
     @torch.no_grad()
     def evaluate(self, model: nn.Module, max_batches: int | None = -1, split: str | None = None) -> dict[str, float]:
         """``{split}_loss`` (no label smoothing), ``{split}_ppl``, ``{split}_ece`` (expected calibration error of
-        the next-token predictions under teacher forcing, percent) and, with ``data.bleu``, ``{split}_bleu``."""
+        the next-token predictions under teacher forcing, percent), for a model that ponders ``{split}_ponder`` (the
+        mean ponder count of the real source positions) and, with ``data.bleu``, ``{split}_bleu``."""
         from ..evaluation import expected_calibration_error
 
         split = split or self.data.valid
@@ -222,11 +233,17 @@ class TranslationTask(Sharded):
         total, count = 0.0, 0
         confidences, corrects = [], []
         device = device_of(model)
+        pondering, ponder_total, source_tokens = ponders(model), 0.0, 0
         for i, indices in enumerate(self.dataset.batches(split, self.data.max_tokens, shuffle=False)):
             if max_batches is not None and i >= max_batches:
                 break
             batch = to_device(self.dataset.collate(split, indices, **self.ids), device)
-            logits = model(batch.source, batch.target_in, batch.source_mask)
+            if pondering:  # (the loss stays the plain cross-entropy; the mean ponder count is reported)
+                logits, ponder = model.forward_ponder(batch.source, batch.target_in, batch.source_mask)
+                ponder_total += float(ponder.sum())  # (0 at padding)
+                source_tokens += int(batch.source_mask.sum())
+            else:
+                logits = model(batch.source, batch.target_in, batch.source_mask)
             n = batch.num_target_tokens
             total += cross_entropy(logits, batch.target_out, ignore_index=self.ids["pad_id"]).item() * n
             count += n
@@ -240,6 +257,8 @@ class TranslationTask(Sharded):
         metrics = {f"{name}_loss": loss, f"{name}_ppl": math.exp(min(loss, 50.0)),
                    f"{name}_ece": expected_calibration_error(torch.cat(confidences), torch.cat(corrects)),
                    "tokens": count}
+        if pondering:  # the mean ponder count N + R per real source position
+            metrics[f"{name}_ponder"] = ponder_total / max(source_tokens, 1)
         if self.data.bleu:
             from ..evaluation import compute_metrics
 
@@ -251,6 +270,14 @@ class TranslationTask(Sharded):
                                    max_tokens=self.data.max_tokens)
             metrics[f"{name}_bleu"] = compute_metrics(["bleu"], hypotheses, references).scores["bleu"]
         return metrics
+
+
+def source_mean(values: Tensor, source_mask: Tensor | None) -> Tensor:
+    """The mean of (B, S) per-source-position ``values`` over the real positions (``source_mask`` 1; None: all)."""
+    if source_mask is None:
+        return values.mean()
+    mask = source_mask.to(values.dtype)
+    return (values * mask).sum() / mask.sum().clamp(min=1.0)
 
 
 def encode_sources(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *,

@@ -186,6 +186,50 @@ def plot_curves(runs: dict[str, list[dict]], path: str | Path, x: str = "step") 
     return _save(fig, plt, path)
 
 
+GLYPHS = {"\n": "\u21b5", "\t": "\u2192", "\r": "\u2190"}  # what a ponder map draws for these characters
+
+
+def plot_ponder(pieces: list[str], ponder: Tensor, path: str | Path, title: str = "ponder",
+                width: int = 100) -> Path:
+    """The text laid out in lines as it is written (lines longer than ``width`` characters wrapped), each character
+    a cell coloured by its token's ponder count (``ponder`` (T,), one per piece of ``pieces``), with a colour bar; a
+    newline is drawn as an arrow at the end of its line."""
+    import numpy as np
+
+    plt = pyplot()
+    cells: list[tuple[int, int, str, float]] = []  # (row, column, character, ponder)
+    row = col = 0
+    for piece, value in zip(pieces, ponder.float().tolist(), strict=True):
+        for ch in piece:
+            if col >= width:
+                row, col = row + 1, 0
+            cells.append((row, col, GLYPHS.get(ch, ch), value))
+            row, col = (row + 1, 0) if ch == "\n" else (row, col + 1)
+    rows = max(r for r, _, _, _ in cells) + 1
+    cols = max(c for _, c, _, _ in cells) + 1
+    grid = np.full((rows, cols), np.nan)
+    for r, c, _, value in cells:
+        grid[r, c] = value
+    low, high = float(np.nanmin(grid)), float(np.nanmax(grid))
+    if high - low < 1e-6:
+        low, high = low - 0.5, high + 0.5
+    fig, ax = plt.subplots(figsize=(1.5 + 0.105 * cols, 0.9 + 0.19 * rows))
+    cmap = plt.get_cmap("viridis").with_extremes(bad="white")
+    shown = ax.imshow(np.ma.masked_invalid(grid), cmap=cmap, vmin=low, vmax=high, aspect="auto",
+                      interpolation="nearest")
+    for r, c, ch, value in cells:
+        if not ch.isspace():
+            dark = (value - low) / (high - low) < 0.6
+            ax.text(c, r, ch, ha="center", va="center", fontsize=7, family="monospace",
+                    color="white" if dark else "black")
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.set_title(title)
+    fig.colorbar(shown, ax=ax, fraction=0.03, pad=0.01, label="ponder N + R")
+    fig.tight_layout()
+    return _save(fig, plt, path)
+
+
 def _save(fig, plt, path: str | Path) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
