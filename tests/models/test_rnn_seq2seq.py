@@ -215,22 +215,23 @@ def test_a_tiny_model_overfits_a_few_pairs_through_the_translation_task(tmp_path
     data = TranslationDataConfig(dir=str(tmp_path), source_lang="xx", target_lang="yy", test=[], vocab_size=300,
                                  max_source_len=16, max_target_len=16, max_tokens=64, bleu=False)
     torch.manual_seed(0)
-    task, model, _, section = TranslationTask.setup(data, TINY, tmp_path, batch_size=1, seq_len=None,
-                                                    label_smoothing=0.0, eval_batches=None)
+    task, model, _, section = TranslationTask.setup(data, {**TINY, "embed_dim": 32, "hidden_dim": 32}, tmp_path,
+                                                    batch_size=1, seq_len=None, label_smoothing=0.0, eval_batches=None)
     assert section["family"] == "rnn_seq2seq" and isinstance(model, RNNEncoderDecoder)
     batch = task.get_batch()
     assert (batch.source_mask == 0).any()  # padded sources
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
     model.train()
     losses = []
-    for _ in range(30):
+    for _ in range(40):
         loss, count = task.loss(model, batch)
         losses.append(loss.item())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     assert count == int(batch.target_mask.sum())
-    assert losses[-1] < 0.05 * losses[0], losses  # measured: 5.68 -> 0.03
+    # measured: 5.70 -> 0.002, far below the 2.49 of predicting the batch's token frequencies whatever the context
+    assert losses[-1] < 0.02 * losses[0], losses
 
 
 def test_trains_checkpoints_and_translates_through_the_shared_pipeline(tmp_path):
