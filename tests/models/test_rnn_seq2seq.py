@@ -223,15 +223,15 @@ def test_a_tiny_model_overfits_a_few_pairs_through_the_translation_task(tmp_path
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-2)
     model.train()
     losses = []
-    for _ in range(40):
+    for _ in range(25):
         loss, count = task.loss(model, batch)
         losses.append(loss.item())
         optimizer.zero_grad()
         loss.backward()
         optimizer.step()
     assert count == int(batch.target_mask.sum())
-    # measured: 5.70 -> 0.002, far below the 2.49 of predicting the batch's token frequencies whatever the context
-    assert losses[-1] < 0.02 * losses[0], losses
+    # measured: 5.70 -> 0.01, far below the 2.49 of predicting the batch's token frequencies whatever the context
+    assert losses[-1] < 0.05 * losses[0], losses
 
 
 def test_trains_checkpoints_and_translates_through_the_shared_pipeline(tmp_path):
