@@ -10,7 +10,7 @@ median step time**. The reference beside tokenloom's ``RNNLM`` is a plain PyTorc
 ``nn.LSTM`` -> tied ``nn.Linear``, no tokenloom code): their ratio is tokenloom's overhead.
 
     python benchmarks/bench_rnn.py                          # T = 64 .. 1024, 4096 tokens a step
-    python benchmarks/bench_rnn.py --lengths 128,1024 --steps 3 --out rnn.json
+    python benchmarks/bench_rnn.py --lengths 128,1024 --steps 3 --out rnn.json --plot rnn.png
 """
 
 from __future__ import annotations
@@ -73,6 +73,30 @@ def models(max_len: int) -> dict[str, nn.Module]:
             "LSTM 2x448 (plain PyTorch)": PlainLSTM(448, 2)}
 
 
+def plot(rows: list[dict], path: str) -> None:
+    """Tokens/s against T for each model (log-2 x axis), and the GPT / LSTM ratio on a second axis."""
+    from tokenloom.cli.plotting import pyplot
+
+    plt = pyplot("throughput plot")
+    if plt is None:
+        return
+    fig, ax = plt.subplots(figsize=(6, 3.8))
+    lengths = [r["length"] for r in rows]
+    for name, style in zip(rows[0]["tokens_per_s"], ("o-", "s-", "^:"), strict=False):
+        ax.plot(lengths, [r["tokens_per_s"][name] for r in rows], style, label=name)
+    ax.set_xscale("log", base=2)
+    ax.minorticks_off()
+    ax.set_xticks(lengths, [str(n) for n in lengths])
+    ax.set(xlabel="sequence length T (tokens per step fixed)", ylabel="training tokens/s",
+           title="training throughput vs sequence length")
+    ax.set_ylim(bottom=0)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--lengths", default="64,128,256,512,1024", help="comma-separated sequence lengths T")
@@ -81,6 +105,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed steps per model and length")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads (default: all cores)")
     parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--plot", default=None, help="write a PNG here: tokens/s against T")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -107,6 +132,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"machine": machine().as_dict(), "tokens_per_step": args.tokens, "rows": rows}, f, indent=2)
+    if args.plot:
+        plot(rows, args.plot)
 
 
 if __name__ == "__main__":

@@ -39,8 +39,9 @@ from .strategies import assert_one_line, floats, ints, note, weird_text, yaml_va
 pytestmark = pytest.mark.fuzz
 
 # the model families each task trains (a recipe may name any family; these are the ones whose fields matter)
-TASK_FAMILIES = {"lm": ["gpt", "rnn"], "translation": ["seq2seq"], "nat_translation": ["nat"],
-                 "image_classification": ["vit", "swin"]}
+TASK_FAMILIES = {"lm": ["gpt", "rnn", "universal"],
+                 "translation": ["seq2seq", "rnn_seq2seq", "universal_seq2seq", "semi_ar"],
+                 "nat_translation": ["nat"], "image_classification": ["vit", "swin"]}
 
 
 def _field_paths(cls: type, prefix: tuple[str, ...]) -> list[tuple[str, ...]]:
@@ -59,6 +60,8 @@ def _field_paths(cls: type, prefix: tuple[str, ...]) -> list[tuple[str, ...]]:
 def _keys() -> list[tuple[str, str, tuple[str, ...]]]:
     """(task, model family, key path) for every key of every section, enumerated from the dataclasses."""
     assert sorted(TASK_FAMILIES) == TASKS.names(), "a new task: add it and its model families here"
+    named = sorted(f for families in TASK_FAMILIES.values() for f in families)
+    assert named == MODELS.names(), "a new model family: add it under the task that trains it"
     keys = []
     for task, families in TASK_FAMILIES.items():
         top = [(f.name,) for f in dataclasses.fields(RunConfig) if f.init]

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from ..config import check, check_choice
 from ..nn.dropout import Dropout
-from ..nn.recurrent import RECURRENT_CELLS, RecurrentState, run_recurrent
+from ..nn.recurrent import RECURRENT_CELLS, RecurrentState, run_recurrent, without_cpu_autocast
 from .counting import CountsParameters
 from .registry import MODELS, declare_decoding
 
@@ -103,13 +103,8 @@ class RNNLM(CountsParameters, nn.Module):
             if bool(valid.all()):
                 valid = None
         state = cache.state if cache is not None else None
-        if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
-            # oneDNN builds no bf16 LSTM primitive under CPU autocast (measured on an AVX2 CPU: "could not create a
-            # primitive descriptor"): the recurrence runs in the weights' dtype, the head under autocast
-            with torch.autocast("cpu", enabled=False):
-                out, state = run_recurrent(self.rnn, x.to(self.tok_embed.weight.dtype), state, valid)
-        else:
-            out, state = run_recurrent(self.rnn, x, state, valid)  # (B, T, H)
+        with without_cpu_autocast(x):  # the recurrence in the weights' dtype, the head under autocast
+            out, state = run_recurrent(self.rnn, x.to(self.tok_embed.weight.dtype), state, valid)  # (B, T, H)
         if cache is not None:
             cache.store(state)
             cache.advance(T)

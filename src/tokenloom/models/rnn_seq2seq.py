@@ -35,7 +35,6 @@ The recurrences run torch's fused ``nn.LSTM`` / ``nn.GRU``; on a CPU under autoc
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -47,9 +46,10 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 from ..config import check, check_choice
 from ..errors import GenerationError
 from ..nn.dropout import Dropout
-from ..nn.recurrent import RECURRENT_CELLS, RecurrentState, State
+from ..nn.recurrent import RECURRENT_CELLS, RecurrentState, State, without_cpu_autocast
 from ..registry import Registry
 from .registry import MODELS, declare_decoding
+from .sentence_groups import check_reorder, kept_sentences
 
 # ---- parts: attention scores and bridges ------------------------------------------------------------
 
@@ -214,8 +214,7 @@ def _run(rnn: nn.RNNBase, x: Tensor, state: State | None, lengths: Tensor | None
     and the final state. ``lengths`` (B,) marks right padding: the rows run packed, each over its own tokens (zeros
     out at padding). On a CPU under autocast the recurrence runs in the weights' dtype (see the module docstring)."""
     dtype = next(iter(rnn.parameters())).dtype
-    cpu_autocast = x.device.type == "cpu" and torch.is_autocast_enabled("cpu")
-    with torch.autocast("cpu", enabled=False) if cpu_autocast else contextlib.nullcontext():
+    with without_cpu_autocast(x):
         x = x.to(dtype)
         if state is not None:
             state = _map(state, lambda s: s.to(dtype))
@@ -414,22 +413,14 @@ class RNNSeq2SeqCache(RecurrentState):
 
     def reorder(self, index: Tensor) -> None:
         """Row i <- old row ``index[i]`` (as many rows), each within its sentence's group."""
-        if self.group > 1 or index.numel() != self.batch_size:
-            rows = torch.arange(index.numel(), device=index.device)
-            if not bool((index // self.group == rows // self.group).all()):
-                raise GenerationError("an RNNSeq2SeqCache can only reorder rows within a source sentence's group")
+        check_reorder(index, self.group, self.batch_size, "RNNSeq2SeqCache")
         super().select(index)
         self.feed = self.feed.index_select(0, index)
 
     def select(self, index: Tensor) -> None:
         """Keep the rows ``index`` of whole sentences (each sentence's ``group`` rows, reordered within the group
         as in :meth:`reorder`) and those sentences' memory."""
-        g = self.group
-        rows = index.view(-1, g)
-        sentences = rows[:, 0] // g
-        if index.numel() % g or not bool((rows // g == sentences[:, None]).all()):
-            raise GenerationError("an RNNSeq2SeqCache keeps whole source sentences: rows in groups of "
-                                  f"{g}, each within its own sentence's group")
+        sentences = kept_sentences(index, self.group, "RNNSeq2SeqCache")
         super().select(index)
         self.feed = self.feed.index_select(0, index)
         self.memory = self.memory.select(sentences)

@@ -51,6 +51,7 @@ from ..nn.positions import Position
 from ..nn.sliding import Window, plan_attention
 from .options import attention_options, check_block_options, check_window_options
 from .registry import MODELS, declare_decoding
+from .sentence_groups import check_reorder, kept_sentences
 
 
 @dataclass
@@ -313,21 +314,13 @@ class Seq2SeqCache(KVCache):
         return [(m.k, m.v) for m in self.memory]
 
     def reorder(self, index: Tensor) -> None:
-        if self.group > 1 or index.numel() != self.batch_size:
-            rows = torch.arange(index.numel(), device=index.device)
-            if not bool((index // self.group == rows // self.group).all()):
-                raise GenerationError("a Seq2SeqCache can only reorder rows within a source sentence's group")
+        check_reorder(index, self.group, self.batch_size, "Seq2SeqCache")
         super().reorder(index)
 
     def select(self, index: Tensor) -> None:
         """Keep the rows ``index`` of whole sentences (each sentence's ``group`` rows, reordered within the
         group as in :meth:`reorder`) and those sentences' memory keys, values and mask."""
-        g = self.group
-        rows = index.view(-1, g)
-        sentences = rows[:, 0] // g
-        if index.numel() % g or not bool((rows // g == sentences[:, None]).all()):
-            raise GenerationError("a Seq2SeqCache keeps whole source sentences: rows in groups of "
-                                  f"{g}, each within its own sentence's group")
+        sentences = kept_sentences(index, self.group, "Seq2SeqCache")
         super().select(index)
         self.memory = [MemoryLayer(m.k.index_select(0, sentences), m.v.index_select(0, sentences))
                        for m in self.memory]

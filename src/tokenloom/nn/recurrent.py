@@ -17,6 +17,8 @@ Shape legend: B batch, T new positions in this call, L layers, E input width, H 
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -69,6 +71,15 @@ def run_recurrent(rnn: nn.RNNBase, x: Tensor, state: State | None, valid: Tensor
     back = rows.argsort()  # the rows' original order
     out = out[back].gather(1, order.argsort(dim=1)[..., None].expand_as(out))  # back to the original positions
     return out, _state([s[:, back] for s in states])
+
+
+def without_cpu_autocast(x: Tensor) -> contextlib.AbstractContextManager:
+    """The context a recurrence over ``x`` runs in: autocast off on a CPU under autocast (oneDNN builds no bf16 LSTM
+    primitive there; measured on an AVX2 CPU: "could not create a primitive descriptor"), so the recurrence runs in
+    the weights' dtype while the layers around it stay under autocast; elsewhere nothing changes."""
+    if x.device.type == "cpu" and torch.is_autocast_enabled("cpu"):
+        return torch.autocast("cpu", enabled=False)
+    return contextlib.nullcontext()
 
 
 def zero_state(rnn: nn.RNNBase, batch_size: int, dtype: torch.dtype, device: torch.device | str | None) -> State:
