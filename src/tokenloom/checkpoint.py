@@ -1,6 +1,7 @@
 """The checkpoint directory, one format everywhere::
 
-    config.yaml         the run's settings: model (with its family), data/tokenizer, training
+    config.yaml         the run's settings: model (with its family), data/tokenizer, training; a weight-only
+                        quantised checkpoint adds ``quantization: {bits, group_size, head, embedding}``
     model.safetensors   weights (never unpickled)
     tokenizer.json      Hugging Face tokenizers format
     trainer_state.pt    only for resuming: optimizer, scheduler, RNG states, step (written by training)
@@ -25,10 +26,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from .config import load_yaml, save_yaml
+from .config import from_dict, load_yaml, save_yaml
 from .errors import CheckpointError, ConfigError
 from .files import sha256_file
 from .models.factory import create_model, model_config_from_dict
+from .nn.quantized import QUANTIZED_KINDS, QuantizationConfig, quantize_model
 from .packaged import where_bundled
 
 CONFIG_FILE, WEIGHTS_FILE, TOKENIZER_FILE, STATE_FILE = "config.yaml", "model.safetensors", "tokenizer.json", \
@@ -148,14 +150,23 @@ def read_config(path: str | Path) -> dict[str, Any]:
 
 def load_model(path: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype | None = torch.float32) -> tuple[nn.Module, dict[str, Any]]:
-    """(model in eval mode, the checkpoint's config dict). Errors are one-line :class:`CheckpointError`."""
+    """(model in eval mode, the checkpoint's config dict). Errors are one-line :class:`CheckpointError`. A quantised
+    checkpoint (a ``quantization`` section) gives the float model's skeleton with its layers replaced by quantised
+    ones, into which the stored integer weights are loaded as they are (never re-quantised); its kernels are
+    ``dequantize`` until :func:`tokenloom.nn.quantized.select_kernels` measures better ones."""
     ckpt = resolve_checkpoint(path)
     config = read_config(ckpt)
     try:
         family, model_config = model_config_from_dict(config.get("model", {}))
+        quantization = stored_quantization(config)
     except ConfigError as err:
         raise CheckpointError(f"{ckpt / CONFIG_FILE}: {err}") from None
     model = create_model(family, model_config, init=False)  # every weight is loaded next
+    if quantization is not None:
+        try:
+            quantize_model(model, quantization, quantize_weights=False)
+        except ConfigError as err:
+            raise CheckpointError(f"{ckpt / CONFIG_FILE}: {err}") from None
     load_weights(model, ckpt)
     if dtype is not None:
         model.to(dtype)
@@ -216,3 +227,73 @@ def load_tokenizer(path: str | Path):
         raise CheckpointError(f"{ckpt / CONFIG_FILE}: tokenizer.eos_token must be a token (a string) or null, "
                               f"got {eos!r}")
     return Tokenizer.from_file(ckpt / TOKENIZER_FILE, eos_token=eos)
+
+
+def stored_quantization(config: dict[str, Any]) -> QuantizationConfig | None:
+    """The ``quantization`` section of a checkpoint's config as a :class:`~tokenloom.nn.quantized.QuantizationConfig`,
+    or None for a float checkpoint; a bad section is a one-line :class:`ConfigError`."""
+    section = config.get("quantization")
+    return None if section is None else from_dict(QuantizationConfig, section, prefix="quantization")
+
+
+def refuse_quantized(path: str | Path, what: str) -> None:
+    """A one-line :class:`~tokenloom.errors.TrainingError` when the checkpoint at ``path`` is quantised: ``what``
+    (resuming, fine-tuning, ...) needs float weights."""
+    from .errors import TrainingError
+
+    ckpt = resolve_checkpoint(path)
+    quantization = stored_quantization(read_config(ckpt))
+    if quantization is not None:
+        raise TrainingError(f"{ckpt} is a quantised checkpoint ({quantization.describe()}): {what} needs float "
+                            "weights; use the float checkpoint it was made from")
+
+
+def stored_dtype(path: str | Path) -> torch.dtype | None:
+    """The dtype a checkpoint's floating weights are stored in (the first floating tensor's of its
+    ``model.safetensors``), or None when unreadable (:func:`load_model` says why)."""
+    from safetensors import safe_open
+
+    floats = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    try:
+        with safe_open(str(Path(path) / WEIGHTS_FILE), framework="pt") as f:
+            for name in f.keys():  # noqa: SIM118 - safe_open has no iteration
+                dtype = floats.get(f.get_slice(name).get_dtype())
+                if dtype is not None:
+                    return dtype
+    except (SafetensorError, OSError):
+        return None
+    return None
+
+
+def quantize_checkpoint(source: str | Path, out: str | Path, quantization: QuantizationConfig,
+                        force: bool = False) -> tuple[Path, int, int]:
+    """Write a weight-only quantised copy of the float checkpoint ``source`` to ``out`` (config.yaml with a
+    ``quantization`` section, the quantised model.safetensors, tokenizer.json), atomically like every checkpoint.
+    The layers left float keep the dtype ``source`` stores; the quantised layers' scales, zeros and biases are
+    float32. Refuses (one line) an ``out`` that holds files unless ``force``, and a source already quantised.
+    Returns (out, bytes of the source's model.safetensors, bytes of the new one)."""
+    ckpt = resolve_checkpoint(source)
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise CheckpointError(f"{out} already exists and is not empty; choose another --out or pass --force")
+    if out.resolve() == ckpt.resolve():
+        raise CheckpointError(f"--out {out} is the source checkpoint itself; write the quantised copy elsewhere")
+    config = read_config(ckpt)
+    found = stored_quantization(config)
+    if found is not None:
+        raise CheckpointError(f"{ckpt} is already quantised ({found.describe()}); quantise its float checkpoint")
+    model, _ = load_model(ckpt)
+    quantize_model(model, quantization)
+    keep = stored_dtype(ckpt) or torch.float32
+    quantized = {f"{name}.{buffer}" for name, module in model.named_modules() if isinstance(module, QUANTIZED_KINDS)
+                 for buffer, _ in module.named_buffers(recurse=False)}
+    state = {name: t if name in quantized or not t.is_floating_point() else t.to(keep)
+             for name, t in state_dict_for_saving(model.state_dict()).items()}  # tied weights stored once
+    tokenizer = None
+    if (ckpt / TOKENIZER_FILE).is_file():
+        tokenizer = load_tokenizer(ckpt)
+    if force and out.exists() and not out.is_dir():
+        out.unlink()
+    write_checkpoint(out, None, {**config, "quantization": quantization.as_dict()}, tokenizer=tokenizer,
+                     state_dict=state)
+    return out, (ckpt / WEIGHTS_FILE).stat().st_size, (out / WEIGHTS_FILE).stat().st_size

@@ -46,7 +46,12 @@ def train(args: argparse.Namespace) -> int:
     if args.resume:
         if not args.recipe and not out.exists():
             raise ConfigError(f"--resume: no run directory at {out}")
-        config = load_run_config(read_config(out), args.overrides)
+        recorded = read_config(out)
+        if "quantization" in recorded:  # a weight-only quantised checkpoint: one line, before the recipe check
+            from ..checkpoint import refuse_quantized
+
+            refuse_quantized(out, "resuming a run")
+        config = load_run_config(recorded, args.overrides)
     else:
         if not args.recipe:
             raise ConfigError("a recipe is needed (or --resume to continue a run)")
@@ -233,10 +238,14 @@ def generate(args: argparse.Namespace) -> int:
             raise ConfigError(f"--compile applies to greedy decoding and sampling; beam search (--beam {args.beam}) "
                               "runs eagerly")
         _early_exit(args, model)  # beam search refuses early exit in one line (its config)
+        if args.draft is not None or args.prompt_lookup:
+            raise ConfigError(f"--draft and --prompt-lookup apply to greedy decoding and sampling; beam search "
+                              f"(--beam {args.beam}) verifies no drafts")
         return _generate_beam(args, model, tokenizer)
     if args.beam < 1:
         raise ConfigError(f"--beam must be >= 1, got {args.beam}")
     decoding, kind = _early_exit(args, model)
+    decoding.update(_speculative(args, model, tokenizer))
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1} ---")
@@ -245,14 +254,51 @@ def generate(args: argparse.Namespace) -> int:
                              do_sample=not args.greedy and args.temperature > 0, top_k=args.top_k,
                              top_p=args.top_p, repetition_penalty=args.repetition_penalty,
                              stop_strings=[unescape(text) for text in args.stop], eos_token_id=tokenizer.eos_id,
-                             seed=seed,
-                             compile=args.compile, exit_threshold=args.exit_threshold)
+                             seed=seed, compile=args.compile, exit_threshold=args.exit_threshold,
+                             prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
         _stream_text(model, tokenizer, args.prompt, config, **decoding)
     tally = decoding.get("exit_tally")
     if args.verbose and tally is not None:
         print(f"early exit at {args.exit_threshold:g} ({kind} heads): {tally.mean_layers:.2f} of "
               f"{tally.num_layers} layers per token on average over {tally.positions} tokens", file=sys.stderr)
+    if args.verbose and decoding.get("draft_tally") is not None:
+        print(speculative_summary(decoding["draft_tally"], args), file=sys.stderr)
     return 0
+
+
+def _speculative(args: argparse.Namespace, model, tokenizer) -> dict:
+    """``--draft`` / ``--prompt-lookup`` / ``--num-draft-tokens``: the speculative arguments of ``stream``
+    (``draft``: the draft model, loaded like the model and checked to share its tokenizer; ``draft_tally``), {}
+    without speculative decoding. Bad values and conflicts fail in one line before anything else loads."""
+    if args.draft is None and not args.prompt_lookup:
+        if args.num_draft_tokens != 4:
+            raise ConfigError("--num-draft-tokens applies to speculative decoding: give --draft or --prompt-lookup")
+        return {}
+    if args.draft is not None and args.prompt_lookup:
+        raise ConfigError("--draft and --prompt-lookup are two drafters: give one")
+    _gen_config(num_draft_tokens=args.num_draft_tokens, prompt_lookup=args.prompt_lookup)  # their one-line errors
+    from ..generation import DraftTally
+
+    found = {"draft_tally": DraftTally()}
+    if args.draft is not None:
+        from ..generation import check_draft_tokenizer
+        from ..models.registry import decoding_of
+
+        draft, _ = load_inference_model(args.draft, args.precision, args.device)
+        if decoding_of(draft) != decoding_of(model):
+            raise ConfigError(f"--draft {args.draft} decodes as {decoding_of(draft)!r} and the model as "
+                              f"{decoding_of(model)!r}: the drafter must be the same kind of model")
+        check_draft_tokenizer(tokenizer, load_tokenizer(args.draft))
+        found["draft"] = draft
+    return found
+
+
+def speculative_summary(tally, args: argparse.Namespace) -> str:
+    """The ``--verbose`` line of a speculative run: acceptance, drafts kept and tokens per pass of the model."""
+    drafter = f"draft model {args.draft}" if args.draft is not None else f"prompt lookup (n <= {args.prompt_lookup})"
+    return (f"speculative decoding with {drafter}, k = {args.num_draft_tokens}: {tally.rounds} passes of the model, "
+            f"{tally.accepted} of {tally.drafted} drafts kept (acceptance {tally.acceptance_rate:.2f}), "
+            f"{tally.mean_accepted:.2f} kept and {tally.tokens_per_pass:.2f} tokens per pass")
 
 
 def _early_exit(args: argparse.Namespace, model) -> tuple[dict, str | None]:
@@ -392,6 +438,17 @@ def export(args: argparse.Namespace) -> int:
     return 0
 
 
+def quantize(args: argparse.Namespace) -> int:
+    from ..checkpoint import quantize_checkpoint
+    from ..nn.quantized import QuantizationConfig
+
+    config = QuantizationConfig(bits=args.bits, group_size=args.group_size, head=args.head, embedding=args.embedding)
+    out, before, after = quantize_checkpoint(args.checkpoint, args.out, config, force=args.force)
+    print(f"quantized {resolve_checkpoint(args.checkpoint)} -> {out} ({config.describe()})")
+    print(f"model.safetensors {before / 1e6:.1f} MB -> {after / 1e6:.1f} MB ({before / after:.1f}x smaller)")
+    return 0
+
+
 def _decode_text(raw: bytes, where: str) -> str:
     """``raw`` as UTF-8; a one-line :class:`DataError` naming ``where`` and the first bad byte otherwise."""
     try:
@@ -491,13 +548,39 @@ def decoding_options(args: argparse.Namespace, model, tokenizer, precision: str 
         if rescore_tokenizer.fingerprint != tokenizer.fingerprint or decoding_of(options["rescorer"]) == "parallel":
             raise ConfigError(f"--rescore {rescore}: needs the autoregressive model whose tokenizer this model was "
                               "trained with (data.tokenizer_from)")
+    speculation = _translation_speculation(args, model, tokenizer, precision)
+    if speculation is not None:
+        beam = 1 if beam is None else beam  # speculative decoding is greedy: the default beam becomes 1
     parallel = decoding_of(model) == "parallel"
     if not parallel:
         options["beam"] = default_beam(model) if beam is None else beam
     elif beam is not None:
         options["beam"] = beam  # refused below
     options.update(check_decoding_options(model, **options))  # the defaults of parallel decoding filled in
+    options["speculation"] = speculation
     return {k: v for k, v in options.items() if v is not None}
+
+
+def _translation_speculation(args: argparse.Namespace, model, tokenizer, precision: str):
+    """translate()'s :class:`~tokenloom.tasks.translation.Speculation` from ``--draft`` / ``--prompt-lookup`` /
+    ``--num-draft-tokens`` (None without them; commands without those options have none)."""
+    if getattr(args, "draft", None) is None and not getattr(args, "prompt_lookup", 0):
+        if getattr(args, "num_draft_tokens", 4) != 4:
+            raise ConfigError("--num-draft-tokens applies to speculative decoding: give --draft or --prompt-lookup")
+        return None
+    if args.draft is not None and args.prompt_lookup:
+        raise ConfigError("--draft and --prompt-lookup are two drafters: give one")
+    from ..generation import DraftTally
+    from ..tasks.translation import Speculation
+
+    _gen_config(num_draft_tokens=args.num_draft_tokens, prompt_lookup=args.prompt_lookup)  # their one-line errors
+    draft = None
+    if args.draft is not None:
+        _, draft, draft_tokenizer = translation_model(args.draft, precision, getattr(args, "device", "auto"))
+        if decoding_of(draft) != decoding_of(model) or draft_tokenizer.fingerprint != tokenizer.fingerprint:
+            raise ConfigError(f"--draft {args.draft}: needs an autoregressive encoder-decoder with this model's "
+                              "tokenizer (speculative decoding compares token ids)")
+    return Speculation(draft, args.prompt_lookup, args.num_draft_tokens, DraftTally())
 
 
 def describe_decoding(options: dict) -> str:
@@ -529,6 +612,8 @@ def translate(args: argparse.Namespace) -> int:
                                      no_repeat_ngram_size=args.no_repeat_ngram_size,
                                      truncate=args.too_long == "truncate", progress=done), strict=True):
             out[i] = text
+    if "speculation" in options:
+        print(speculative_summary(options["speculation"].tally, args), file=sys.stderr)
     text = "".join(line + "\n" for line in out)
     if output is not None:
         _write_output(output, text)

@@ -1,5 +1,5 @@
 """``tokenloom train | recipes | sweep | sweep-report | fit-scaling | generate | fit-exits | evaluate | translate |
-classify | distill | bench | viz | report | serve | import | export | completion``.
+classify | distill | bench | viz | report | serve | import | export | quantize | completion``.
 
 Errors a user can cause print one line (``error: ...``) and exit with status 2; Ctrl-C exits 130. Warnings print
 one line too (``warning: ...``, :func:`one_line_warnings`).
@@ -21,10 +21,13 @@ def _add_precision(p: argparse.ArgumentParser, default: str = "auto") -> None:
         default = os.environ.get("TOKENLOOM_PRECISION") or default
         text = ("the weights' dtype; auto: on a CPU bf16 where it has native bf16 matrix instructions and the decode "
                 "step measures faster with it, else fp32; on a CUDA GPU bf16 (fp16 before Ampere); on MPS fp32 (said "
-                "on stderr); fp16: CUDA only; default: $TOKENLOOM_PRECISION or auto")
+                "on stderr); fp16: CUDA only; int8, int4: weight-only quantised (float32 activations; a float "
+                "checkpoint is quantised as it loads, blocks only; a quantised checkpoint implies its own, auto "
+                "takes it); default: $TOKENLOOM_PRECISION or auto")
     else:
         text = f"the weights' dtype (default {default})"
-    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16"], default=default, help=text)
+    p.add_argument("--precision", choices=["auto", "fp32", "bf16", "fp16", "int8", "int4"], default=default,
+                   help=text)
     _add_device(p)
 
 
@@ -98,9 +101,23 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                    help="with --exit-threshold: the exit heads, shared (the model's own final norm and output "
                         "layer) or trained (exit_heads.safetensors, from `tokenloom fit-exits`); default: trained "
                         "where the checkpoint has them, else shared")
+    _add_speculative(p)
     p.add_argument("--verbose", action="store_true",
-                   help="print decoding statistics to stderr (with --exit-threshold: the mean layers a token ran)")
+                   help="print decoding statistics to stderr (with --exit-threshold: the mean layers a token ran; "
+                        "with --draft or --prompt-lookup: acceptance and tokens per pass of the model)")
     p.set_defaults(func=_run("generate"))
+
+
+def _add_speculative(p: argparse.ArgumentParser) -> None:
+    """Speculative decoding's options (generate, translate, serve)."""
+    p.add_argument("--draft", default=None, metavar="RUN",
+                   help="speculative decoding with this small model (a checkpoint or run directory with the same "
+                        "tokenizer) as the drafter: greedy output is unchanged, sampling keeps its distribution")
+    p.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                   help="speculative decoding with prompt lookup: propose the tokens that followed the last match "
+                        "of the text's final n-gram (n <= N) earlier in the prompt or output; 0 = off")
+    p.add_argument("--num-draft-tokens", type=int, default=4, metavar="K",
+                   help="with --draft or --prompt-lookup: tokens proposed per verification pass (default 4)")
 
 
 def _add_fit_exits(sub: argparse._SubParsersAction) -> None:
@@ -180,6 +197,7 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=4096, help="source tokens per batch (times the beam)")
     p.add_argument("--too-long", choices=["truncate", "error"], default="truncate",
                    help="a source longer than the model's limit: truncate with a warning, or refuse")
+    _add_speculative(p)  # greedy only: --beam defaults to 1 with a drafter
     _add_precision(p)
     p.set_defaults(func=_run("translate"))
 
@@ -426,6 +444,7 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-header-bytes", type=int, default=65536, help="request line plus headers; larger get 431 "
                    "(default 64 KiB)")
     p.add_argument("--model-name", default=None, help="the model id in the API (default: the run's name)")
+    _add_speculative(p)  # a request opts out with "speculative": false
     _add_precision(p)
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=_run_in("serve", "serve"))
@@ -461,6 +480,25 @@ def _add_export(sub: argparse._SubParsersAction) -> None:
                    "(default: as in the checkpoint)")
     p.add_argument("--force", action="store_true", help="replace a non-empty --out")
     p.set_defaults(func=_run("export"))
+
+
+def _add_quantize(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quantize", help="write a weight-only int8 / int4 copy of a checkpoint",
+                       description="Quantise a float checkpoint's weights for inference: int8 per output channel or "
+                                   "int4 in groups of input columns, the linear layers of every Transformer block "
+                                   "(optionally the output layer and the token embedding too). The new checkpoint "
+                                   "loads anywhere a checkpoint does (generate, evaluate, translate, serve); it "
+                                   "cannot be trained.")
+    p.add_argument("checkpoint", help="float checkpoint or run directory")
+    p.add_argument("--bits", type=int, choices=[8, 4], required=True, help="weight width")
+    p.add_argument("--group-size", type=int, default=128,
+                   help="int4: input columns sharing a scale and zero point (32, 64, 128 or 256)")
+    p.add_argument("--head", action="store_true",
+                   help="also the output layer (a head tied to the embedding gets its own quantised copy)")
+    p.add_argument("--embedding", action="store_true", help="also the token embedding (int8 per row; GPT)")
+    p.add_argument("--out", required=True, help="checkpoint directory to write")
+    p.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    p.set_defaults(func=_run("quantize"))
 
 
 def _run(name: str) -> Callable[[argparse.Namespace], int]:
@@ -516,6 +554,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve(sub)
     _add_import(sub)
     _add_export(sub)
+    _add_quantize(sub)
     _add_completion(sub)
     _show_defaults(parser)
     return parser

@@ -33,16 +33,19 @@ def serve(args: argparse.Namespace) -> int:
                           "translation models (seq2seq, nat)")
     name = args.model_name or (ckpt.parent.name if ckpt.name == "checkpoint" else ckpt.name)
     api_key = args.api_key or os.environ.get("TOKENLOOM_API_KEY") or None
+    _check_speculative(args, family)
     config = ServeConfig(model_name=name, api_key=api_key, max_batch=args.max_batch, max_queue=args.max_queue,
                          max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
                          request_timeout=args.request_timeout, host=args.host,
-                         allowed_hosts=_listed(args.allowed_hosts), cors_origins=_listed(args.cors_origin))
+                         allowed_hosts=_listed(args.allowed_hosts), cors_origins=_listed(args.cors_origin),
+                         prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
     if family == "gpt":
         _check_cache_budget(ckpt, args.max_batch, args.precision)  # before the model loads
     # the flags are checked (above) before the model loads
     model, _ = load_inference_model(ckpt, args.precision, args.device)
     tokenizer = load_tokenizer(ckpt)
-    app = create_app(model, tokenizer, config)
+    draft = _load_draft(args, tokenizer)
+    app = create_app(model, tokenizer, config, draft)
     _browser_safety_notes(config)
     where = f"http://{args.host}:{args.port}"
     print(f"serving {name} ({family}) at {where}/v1 (playground: {where}/)"
@@ -50,6 +53,37 @@ def serve(args: argparse.Namespace) -> int:
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, timeout_graceful_shutdown=5,
                 **limits.uvicorn_options())
     return 0
+
+
+def _check_speculative(args: argparse.Namespace, family: str) -> None:
+    """``--draft`` / ``--prompt-lookup`` / ``--num-draft-tokens`` checked in one line before anything loads (their
+    values by :class:`~tokenloom.serving.config.ServeConfig`)."""
+    if args.draft is None and not args.prompt_lookup:
+        if args.num_draft_tokens != 4:
+            raise ConfigError("--num-draft-tokens applies to speculative decoding: give --draft or --prompt-lookup")
+        return
+    if args.draft is not None and args.prompt_lookup:
+        raise ConfigError("--draft and --prompt-lookup are two drafters: give one")
+    if family != "gpt":
+        raise ConfigError(f"speculative decoding (--draft, --prompt-lookup) applies to a language model's "
+                          f"completions; the checkpoint holds a {family!r} model")
+
+
+def _load_draft(args: argparse.Namespace, tokenizer):  # noqa: ANN202 - a model or None
+    """The ``--draft`` model, loaded like the model (precision, device) and checked to be a causal language model
+    sharing the model's tokenizer (its vocabulary and context: by the engine); None without ``--draft``."""
+    if args.draft is None:
+        return None
+    from ..generation import check_draft_tokenizer
+    from ..models.registry import decoding_of
+    from .loading import load_inference_model
+
+    draft, _ = load_inference_model(args.draft, args.precision, args.device)
+    if decoding_of(draft) != "causal_lm":
+        raise ConfigError(f"--draft {args.draft} decodes as {decoding_of(draft)!r}: the server's drafter must be a "
+                          "causal language model")
+    check_draft_tokenizer(tokenizer, load_tokenizer(args.draft))
+    return draft
 
 
 def _check_cache_budget(ckpt, max_batch: int, precision: str) -> None:  # noqa: ANN001 - a Path

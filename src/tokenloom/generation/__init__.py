@@ -1,8 +1,9 @@
-"""Decoding over a small model protocol: settings, logits processors, greedy and sampled generation, beam
-search."""
+"""Decoding over a small model protocol: settings, logits processors, greedy and sampled generation (also
+speculative), beam search."""
 
 from .beam import BeamOutput, beam_search
 from .config import GenerationConfig
+from .drafting import Drafter, ModelDrafter, PromptLookup, check_draft_tokenizer
 from .generate import generate, stream
 from .processors import (
     LogitsProcessor,
@@ -13,9 +14,10 @@ from .processors import (
     TopPProcessor,
     create_processors,
 )
+from .speculative import DraftTally
 
 __all__ = [
-    "BeamOutput", "GenerationConfig", "LogitsProcessor", "LogitsProcessorList", "RepetitionPenaltyProcessor",
-    "TemperatureProcessor", "TopKProcessor", "TopPProcessor", "beam_search", "create_processors", "generate",
-    "stream",
+    "BeamOutput", "DraftTally", "Drafter", "GenerationConfig", "LogitsProcessor", "LogitsProcessorList",
+    "ModelDrafter", "PromptLookup", "RepetitionPenaltyProcessor", "TemperatureProcessor", "TopKProcessor",
+    "TopPProcessor", "beam_search", "check_draft_tokenizer", "create_processors", "generate", "stream",
 ]

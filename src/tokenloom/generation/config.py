@@ -60,6 +60,10 @@ class GenerationConfig:
     exit_threshold: float | None = None  # depth-adaptive early exit (GPT; greedy or sampling): a position leaves
     #   the layer stack once its exit head's largest probability exceeds this, in (0, 1] (1 = never); None = off
     #   (tokenloom.generation.early_exit)
+    # speculative decoding (a draft model given to generate, or prompt_lookup): tokenloom.generation.speculative
+    num_draft_tokens: int = 4  # k: tokens a drafter proposes per verification pass of the model, >= 1
+    prompt_lookup: int = 0  # draft by prompt lookup: a row's last n-gram (n up to this, down to 1) found earlier in
+    #   its context proposes the tokens that followed it; 0 = off
 
     def __post_init__(self) -> None:
         for f in fields(self):  # the messages below quote the values: each must have a repr
@@ -120,6 +124,15 @@ class GenerationConfig:
                                        f"(num_beams={self.num_beams}) runs the full model")
             check(not self.compile, "exit_threshold runs eagerly (its layers depend on each step's exits); "
                                     "leave compile off")
+        check(_is_int(self.num_draft_tokens) and self.num_draft_tokens >= 1,
+              f"num_draft_tokens must be a positive integer (tokens drafted per verification), "
+              f"got {self.num_draft_tokens!r}")
+        check(_is_int(self.prompt_lookup) and self.prompt_lookup >= 0,
+              f"prompt_lookup must be an integer >= 0 (the longest n-gram looked up; 0 = off), "
+              f"got {self.prompt_lookup!r}")
+        if self.prompt_lookup:
+            conflict = self.speculative_conflict()
+            check(conflict is None, f"prompt_lookup={self.prompt_lookup}: {conflict}")
         if self.num_beams > 1:
             check(self.greedy, f"num_beams={self.num_beams} (beam search) needs do_sample=False: beam sampling is "
                                "not supported")
@@ -127,6 +140,18 @@ class GenerationConfig:
                                                   f"beam search (num_beams={self.num_beams}); leave it at 1.0")
             check(not self.stop_strings, f"stop_strings do not apply to beam search (num_beams={self.num_beams}); "
                                          "use eos_token_id")
+
+    def speculative_conflict(self) -> str | None:
+        """Why speculative decoding cannot run with these settings (one line), or None."""
+        if self.num_beams > 1:
+            return f"speculative decoding does not apply to beam search (num_beams={self.num_beams})"
+        if self.compile:
+            return "speculative decoding runs eagerly (its verification passes are not one-token steps); " \
+                   "leave compile off"
+        if self.exit_threshold is not None:
+            return f"speculative decoding verifies with the full model; leave exit_threshold " \
+                   f"({self.exit_threshold}) off"
+        return None
 
     @property
     def greedy(self) -> bool:

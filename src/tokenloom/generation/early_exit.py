@@ -41,6 +41,7 @@ from ..models.gpt import GPT
 from ..nn.attention import Context
 from ..nn.block import StepFunctions
 from ..nn.exits import ExitHeads, confident, frozen_block
+from ..nn.quantized import is_quantized
 
 EXIT_HEADS_FILE = "exit_heads.safetensors"  # trained exit heads, next to a checkpoint's model.safetensors
 
@@ -65,6 +66,9 @@ def check_early_exit(model: object) -> None:
     if getattr(model.config, "memory_len", 0):
         raise GenerationError(f"early exit does not support a Transformer-XL memory (memory_len="
                               f"{model.config.memory_len})")
+    if is_quantized(model):
+        raise GenerationError("early exit runs float models only; this one is weight-only quantised (use its float "
+                              "checkpoint)")
 
 
 class Binding(NamedTuple):
@@ -165,7 +169,7 @@ class EarlyExit:
         if model.training:
             raise GenerationError("early exit runs in eval mode (model.eval())")
         B, T = input_ids.shape
-        steps = model.decode_steps(cache, T)
+        steps = model.decode_steps(cache, T) if T == 1 else None  # the exit loop binds one position per row
         x, contexts = model.layer_inputs(input_ids, positions, attention_mask, cache, False, steps)
         rows = cache.batch_size if steps is not None else None
         logits, layers = exit_layers(x, contexts, self._binding(steps, rows), self.threshold)

@@ -26,6 +26,9 @@ The model protocol (:class:`tokenloom.models.GPT` follows it)::
   leaves the layer stack once its exit head is confident enough; ``exit_heads`` are the heads (default: shared, the
   model's own final norm and output layer), ``exit_tally`` (an :class:`~.early_exit.ExitTally`) adds up the layers
   the one-token steps ran.
+* ``draft=`` (a draft model of the same protocol and vocabulary, or a drafter) or ``config.prompt_lookup``:
+  speculative decoding (:mod:`tokenloom.generation.speculative`): the drafter proposes ``config.num_draft_tokens``
+  tokens, the model verifies them in one pass and keeps the ones it agrees with; ``draft_tally`` adds up the passes.
 * :func:`generate` is :func:`stream` run to the end; both run under ``torch.inference_mode()`` with the
   model in eval mode (its previous mode is restored afterwards).
 """
@@ -44,26 +47,34 @@ from ..nn.modes import enter_eval, restore_training
 from .choose import choose_next, limit_vocabulary, vocabulary_limit
 from .compiled import StaticDecodeStep, StaticKVCache, static_cache_length, why_not_compiled
 from .config import GenerationConfig
+from .drafting import Drafter
 from .early_exit import EarlyExit, ExitTally
 from .processors import create_processors
-from .requests import Tokenizer, check_prompt, prompt_rows
+from .requests import StopStrings, Tokenizer, check_prompt, prompt_rows
+from .speculative import DraftTally, SpeculativeDecoding, create_drafter
 
 
 def generate(model: nn.Module, input_ids: Tensor, config: GenerationConfig | None = None,
              attention_mask: Tensor | None = None, tokenizer: Tokenizer | None = None, *,
-             exit_heads: ExitHeads | None = None, exit_tally: ExitTally | None = None) -> Tensor:
+             exit_heads: ExitHeads | None = None, exit_tally: ExitTally | None = None,
+             draft: nn.Module | Drafter | None = None, draft_tally: DraftTally | None = None) -> Tensor:
     """(B, T) prompt ids -> (B, T + n) prompt and new ids, n <= ``config.max_new_tokens`` (fewer when every
     row stops early); positions after a row stopped hold ``config.pad_token_id``. With ``config.num_beams``
     > 1 this is beam search's best hypothesis per row (:func:`tokenloom.generation.beam_search` gives the
-    n best and their scores)."""
-    if config is not None and config.num_beams > 1:
-        if exit_heads is not None or exit_tally is not None:
-            raise GenerationError("exit_heads and exit_tally apply to early exit, which beam search does not run")
+    n best and their scores). With ``draft`` (a model, or a drafter such as
+    :class:`~tokenloom.generation.drafting.PromptLookup`) or ``config.prompt_lookup``: speculative decoding
+    (:mod:`tokenloom.generation.speculative`), the same tokens when greedy, the same distribution when sampling;
+    ``draft_tally`` (a :class:`~tokenloom.generation.speculative.DraftTally`) adds up its passes and acceptance."""
+    config = config or GenerationConfig()
+    if config.num_beams > 1 and draft is None:
+        if exit_heads is not None or exit_tally is not None or draft_tally is not None:
+            raise GenerationError("exit_heads, exit_tally and draft_tally apply to early exit and speculative "
+                                  "decoding, which beam search does not run")
         from .beam import beam_search
 
         return beam_search(model, input_ids, config, attention_mask, tokenizer).sequences[:, 0].contiguous()
-    decoding = _Decoding(model, input_ids, config or GenerationConfig(), attention_mask, tokenizer, exit_heads,
-                         exit_tally)
+    decoding = _create(model, input_ids, config, attention_mask, tokenizer, exit_heads, exit_tally, draft,
+                       draft_tally)
     steps = sum(1 for _ in decoding)
     out = decoding.sequences[:, :decoding.prompt_len + steps]
     if decoding.padded:
@@ -73,11 +84,27 @@ def generate(model: nn.Module, input_ids: Tensor, config: GenerationConfig | Non
 
 def stream(model: nn.Module, input_ids: Tensor, config: GenerationConfig | None = None,
            attention_mask: Tensor | None = None, tokenizer: Tokenizer | None = None, *,
-           exit_heads: ExitHeads | None = None, exit_tally: ExitTally | None = None) -> Iterator[Tensor]:
+           exit_heads: ExitHeads | None = None, exit_tally: ExitTally | None = None,
+           draft: nn.Module | Drafter | None = None, draft_tally: DraftTally | None = None) -> Iterator[Tensor]:
     """Yield each step's new tokens, (B,) ids, as they are produced (a stopped row yields
-    ``pad_token_id``). The arguments are checked here, before the first step."""
-    return iter(_Decoding(model, input_ids, config or GenerationConfig(), attention_mask, tokenizer, exit_heads,
-                          exit_tally))
+    ``pad_token_id``; speculative decoding yields a column once every row has produced it). The arguments are
+    checked here, before the first step."""
+    return iter(_create(model, input_ids, config or GenerationConfig(), attention_mask, tokenizer, exit_heads,
+                        exit_tally, draft, draft_tally))
+
+
+def _create(model: nn.Module, input_ids: Tensor, config: GenerationConfig, attention_mask: Tensor | None,
+            tokenizer: Tokenizer | None, exit_heads: ExitHeads | None, exit_tally: ExitTally | None,
+            draft: nn.Module | Drafter | None, draft_tally: DraftTally | None) -> _Decoding | SpeculativeDecoding:
+    """The decoding run a request asks for: speculative when it has a drafter, else plain."""
+    drafter = create_drafter(draft, config)
+    if drafter is None:
+        if draft_tally is not None:
+            raise GenerationError("draft_tally applies to speculative decoding: give draft= or set prompt_lookup")
+        return _Decoding(model, input_ids, config, attention_mask, tokenizer, exit_heads, exit_tally)
+    if exit_heads is not None or exit_tally is not None:
+        raise GenerationError("exit_heads and exit_tally apply to early exit, which speculative decoding does not run")
+    return SpeculativeDecoding(model, input_ids, config, attention_mask, tokenizer, drafter, draft_tally)
 
 
 class _Decoding:
@@ -196,26 +223,3 @@ class _Decoding:
                     mask = full_mask[:, :T + t + 1]
         finally:
             restore_training(switched)
-
-
-class StopStrings:
-    """Per-row stop-string detection over a tail window of each row's new tokens."""
-
-    def __init__(self, stop_strings: list[str], tokenizer: Tokenizer, batch_size: int) -> None:
-        self.stop_strings, self.tokenizer = stop_strings, tokenizer
-        # a stop string of L characters spans at most L tokens of >= 1 character; slack for empty ones
-        self.window = max(len(s) for s in stop_strings) + 8
-        self.new_ids: list[list[int]] = [[] for _ in range(batch_size)]
-
-    def update(self, tokens: Tensor, finished: Tensor) -> None:
-        """Append this step's (B,) ``tokens``; mark rows whose new text now holds a stop string in the
-        (B, 1) ``finished``."""
-        done = finished.view(-1).tolist()
-        for row, (token, stopped) in enumerate(zip(tokens.tolist(), done, strict=True)):
-            if stopped:
-                continue
-            ids = self.new_ids[row]
-            ids.append(token)
-            text = self.tokenizer.decode(ids[-self.window:])
-            if any(s in text for s in self.stop_strings):
-                finished[row] = True

@@ -92,3 +92,28 @@ def prompt_rows(input_ids: Tensor, mask: Tensor | None, n: int, copies: int = 1
     if copies != 1:
         positions, full_mask = positions.repeat_interleave(copies, dim=0), full_mask.repeat_interleave(copies, dim=0)
     return prompt, positions, full_mask, real_len
+
+
+class StopStrings:
+    """Per-row stop-string detection over a tail window of each row's new tokens."""
+
+    def __init__(self, stop_strings: list[str], tokenizer: Tokenizer, batch_size: int) -> None:
+        self.stop_strings, self.tokenizer = stop_strings, tokenizer
+        # a stop string of L characters spans at most L tokens of >= 1 character; slack for empty ones
+        self.window = max(len(s) for s in stop_strings) + 8
+        self.new_ids: list[list[int]] = [[] for _ in range(batch_size)]
+
+    def update(self, tokens: Tensor, finished: Tensor) -> None:
+        """Append this step's (B,) ``tokens``; mark rows whose new text now holds a stop string in the
+        (B, 1) ``finished``."""
+        done = finished.view(-1).tolist()
+        for row, (token, stopped) in enumerate(zip(tokens.tolist(), done, strict=True)):
+            if not stopped and self.append(row, token):
+                finished[row] = True
+
+    def append(self, row: int, token: int) -> bool:
+        """Append one new token to ``row``; True when its new text now holds a stop string."""
+        ids = self.new_ids[row]
+        ids.append(token)
+        text = self.tokenizer.decode(ids[-self.window:])
+        return any(s in text for s in self.stop_strings)

@@ -40,15 +40,16 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import Tensor, nn
 
-from ..checkpoint import load_model, load_state, resolve_checkpoint, write_checkpoint
+from ..checkpoint import load_model, load_state, resolve_checkpoint, stored_dtype, write_checkpoint
 from ..data.tokenizers import Tokenizer
 from ..errors import CheckpointError, ConfigError
 from ..models.factory import create_model, model_config_to_dict
 from ..models.options import LINEAR_ATTENTION
+from ..nn.quantized import is_quantized
 from ..registry import Registry
 
 HF_CONFIG_FILE = "config.json"
@@ -544,11 +545,14 @@ def export_hf(model_or_checkpoint: nn.Module | str | Path, out: str | Path, *, t
         model = model_or_checkpoint
     else:
         ckpt = resolve_checkpoint(model_or_checkpoint)
-        model, _ = load_model(ckpt, dtype=_stored_dtype(ckpt / "model.safetensors"))
+        model, _ = load_model(ckpt, dtype=stored_dtype(ckpt))
         if tokenizer is None and (ckpt / "tokenizer.json").is_file():
             from ..checkpoint import load_tokenizer
 
             tokenizer = load_tokenizer(ckpt)
+    if is_quantized(model):
+        raise CheckpointError("the model is weight-only quantised; export needs float weights (export the float "
+                              "checkpoint it was made from)")
     conv, hf = hf_config_of(model, tokenizer=tokenizer, dtype=dtype)
     state = ours_to_hf(conv, model.config, model.state_dict())
     if dtype is not None:
@@ -571,20 +575,6 @@ def export_hf(model_or_checkpoint: nn.Module | str | Path, out: str | Path, *, t
         shutil.rmtree(out)
     os.replace(tmp, out)
     return out
-
-
-def _stored_dtype(path: Path) -> torch.dtype | None:
-    """The dtype a checkpoint's floating weights are stored in (None when unreadable: load_model says why)."""
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            for name in f.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                t = f.get_slice(name)
-                dtype = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}.get(t.get_dtype())
-                if dtype is not None:
-                    return dtype
-    except (SafetensorError, OSError):
-        return None
-    return None
 
 
 def _transformers() -> Any:

@@ -34,7 +34,7 @@ from torch.nn import functional as F
 from ..config import from_dict
 from ..errors import ConfigError
 from .backends import ATTENTION_BACKENDS, load_backend_files
-from .fused import decode_linear, linear_add
+from .fused import bind_linear, linear_add_of
 from .kv_cache import LayerCache, MemoryLayer
 from .positions import Relative, apply_rotary
 from .sliding import Band
@@ -306,18 +306,17 @@ class MultiHeadAttention(nn.Module):
         without ``nn.Module`` call overhead: over whole sequences x (B, T, C) with ``rows`` None (an encoder, a
         parallel decoder, teacher forcing; the residual fused into the output projection where :mod:`.fused`
         can), or for one-token decode steps x (B, C) of ``rows`` rows (linear layers through
-        :func:`.fused.decode_linear`: pre-packed weights)."""
-        proj = self.q_proj if self.cross else self.qkv_proj
-        w_out, b_out = self.out_proj.weight, self.out_proj.bias
+        :func:`.fused.bind_linear`: pre-packed weights, or a quantised layer's kernel)."""
+        proj, out_proj = self.q_proj if self.cross else self.qkv_proj, self.out_proj
         if rows is None:
-            linear_in: Linear = partial(F.linear, weight=proj.weight, bias=proj.bias)
+            linear_in: Linear = bind_linear(proj)
 
             def linear_out(out: Tensor, residual: Tensor) -> Tensor:
-                return linear_add(out, w_out, b_out, residual)
+                return linear_add_of(out_proj, out, residual)
 
             return partial(self.attend, linear_in, linear_out, False)
-        linear_in = decode_linear(proj.weight, proj.bias, rows=None if self.cross else rows)
-        out_linear = decode_linear(w_out, b_out, rows=None if self.cross else rows)
+        linear_in = bind_linear(proj, rows=None if self.cross else rows)
+        out_linear = bind_linear(out_proj, rows=None if self.cross else rows)
         return partial(self.attend, linear_in, out_linear, True)
 
     def attend(self, linear_in: Linear, linear_out: Callable, add: bool, x: Tensor, ctx: Context,
@@ -392,7 +391,7 @@ class MultiHeadAttention(nn.Module):
         """The output projection of the heads' concatenation ``out`` (..., C), plus ``residual`` if given."""
         if residual is None:
             return self.out_proj(out)
-        return linear_add(out, self.out_proj.weight, self.out_proj.bias, residual)
+        return linear_add_of(self.out_proj, out, residual)
 
     def memory_kv(self, memory: Tensor) -> tuple[Tensor, Tensor]:
         """Cross-attention keys and values of ``memory`` (B, S, C): two (B, Hkv, S, D) tensors."""

@@ -16,7 +16,7 @@ block runs bind that one body differently:
   encoder, a parallel decoder, teacher forcing) without the ``nn.Module`` call overhead;
   :func:`plain_eval` tells when callers may use it.
 * ``bind(rows)``: plain functions for one eval-mode decode step, x (B, C) of ``rows`` rows (pre-packed linear
-  layers, :func:`.fused.decode_linear`).
+  layers, :func:`.fused.bind_linear`).
 
 ``ctx`` is the attention :class:`~.attention.Context` of the layer (mask, rotary angles, its cache views).
 ``forward(x, queries=n)`` lets only the first ``n`` positions query (a class token's last layer): (B, n, C).
@@ -34,7 +34,7 @@ from torch import Tensor, nn
 from ..registry import Registry
 from .attention import NO_CONTEXT, Context, MultiHeadAttention
 from .dropout import Dropout
-from .fused import decode_linear
+from .fused import bind_linear
 from .mlp import create_mlp
 from .norms import create_norm
 
@@ -241,7 +241,7 @@ def step_functions(model: nn.Module, cache, parts: Callable[[], tuple[nn.ModuleL
         blocks, final_norm, head = parts()
         functions = StepFunctions(blocks=[block.bind(rows) for block in blocks],
                                   final_norm=inference_function(final_norm),
-                                  head=decode_linear(head.weight, head.bias, rows=rows))
+                                  head=bind_linear(head, rows=rows))
     key = id(cache)
     _STEPS[key] = (weakref.ref(cache, lambda _: _STEPS.pop(key, None)), model, rows, functions)
     return functions

@@ -25,6 +25,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from ..errors import GenerationError
 from .attention import Context, MultiHeadAttention
 from .block import inference_function
 from .fused import decode_linear
@@ -94,6 +95,9 @@ def key_value_store(attn: MultiHeadAttention, rows: int | None) -> Callable[[Ten
     ``rows``: bound for one-token steps of that many rows (h (B, C)); None: whole sequences (h (B, T, C))."""
     H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
     proj = attn.qkv_proj
+    if not isinstance(proj, nn.Linear):  # a quantised projection: its k and v rows are not a slice of a weight
+        raise GenerationError(f"early exit runs float models only; this one has a {type(proj).__name__} "
+                              "projection (a quantised model: use its float checkpoint)")
     weight = proj.weight[H * D:]  # (2 Hkv D, C): the rows of k then v (the qkv layout: H, Hkv, Hkv heads of D)
     bias = proj.bias[H * D:] if proj.bias is not None else None
     linear = partial(F.linear, weight=weight, bias=bias) if rows is None else decode_linear(weight, bias, rows)

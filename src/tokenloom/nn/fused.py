@@ -14,6 +14,10 @@ than ``FUSED_MIN_ROWS`` rows: each call costs oneDNN ~35 us more than a plain ma
 decoder pass (15-45 rows x 256 -> 1024) the fused op is 30-60% slower than linear + add, and it only draws level
 from ~1,000 rows (measured here, fp32, 2 threads).
 Callers fall back to the plain ops.
+
+The eval paths reach a linear layer through its module (:func:`bind_linear`, :func:`linear_act_of`,
+:func:`linear_add_of`), dispatched by the module's type (:data:`LINEAR_FORMS`): an ``nn.Linear`` runs the
+functions above, a weight-only quantised layer (:mod:`.quantized`) its kernel, through the same block bodies.
 """
 
 from __future__ import annotations
@@ -21,9 +25,10 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from functools import partial
+from typing import NamedTuple
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 from torch.nn import functional as F
 
 _OPS = getattr(torch.ops.mkldnn, "_linear_pointwise", None) if torch.backends.mkldnn.is_available() else None
@@ -100,7 +105,8 @@ def decode_linear(weight: Tensor, bias: Tensor | None, rows: int | None = None) 
     last: list = [None, None]  # this function's (storage, version) and prepared weight: the common case
 
     def prepared() -> Tensor:
-        key = (weight.data_ptr(), weight._version)
+        # an inference tensor (a model loaded under inference_mode) has no version counter: its storage identifies it
+        key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)
         if last[0] == key:
             return last[1]
         entry = _PREPARED.get(slot)
@@ -154,3 +160,60 @@ def decode_bf16_speedup(width: int, rows: int = 1, repeats: int = 15) -> float:
                     run(x)
                 best[i] = min(best[i], time.perf_counter() - start)
     return best[0] / best[1]
+
+
+# --- linear layers by kind: one binding for float and quantised layers ---------------------------------------------
+
+class LinearForms(NamedTuple):
+    """The three ways the eval paths run a linear layer of one module type (:func:`register_linear`)."""
+
+    bind: Callable[[nn.Module, int | None], Callable[[Tensor], Tensor]]  # (module, rows) -> plain x -> linear(x)
+    act: Callable[[nn.Module, Tensor, str], Tensor]  # (module, x, activation name) -> act(linear(x))
+    add: Callable[[nn.Module, Tensor, Tensor], Tensor]  # (module, x, residual) -> residual + linear(x)
+
+
+# module type -> its forms; nn.Linear's are below, tokenloom.nn.quantized registers QuantizedLinear's
+LINEAR_FORMS: dict[type, LinearForms] = {}
+
+
+def register_linear(kind: type, forms: LinearForms) -> None:
+    """Declare how the eval and decode fast paths run a linear layer of type ``kind`` (and its subclasses)."""
+    LINEAR_FORMS[kind] = forms
+
+
+def linear_forms(module: nn.Module) -> LinearForms:
+    """The registered :class:`LinearForms` of ``module``'s type (or the nearest base class that has some)."""
+    for kind in type(module).__mro__:
+        forms = LINEAR_FORMS.get(kind)
+        if forms is not None:
+            return forms
+    raise TypeError(f"{type(module).__name__} is not a linear layer the fast paths know (see register_linear)")
+
+
+def bind_linear(module: nn.Module, rows: int | None = None) -> Callable[[Tensor], Tensor]:
+    """A plain function ``x -> module(x)`` for eval-mode passes, bound once: for an ``nn.Linear``
+    :func:`decode_linear` (``rows`` rows per call in decode steps; None: whole sequences), for a quantised layer
+    (:class:`tokenloom.nn.quantized.QuantizedLinear`) its kernel. It captures the layer's current tensors."""
+    return linear_forms(module).bind(module, rows)
+
+
+def linear_act_of(module: nn.Module, x: Tensor, act: str) -> Tensor:
+    """``act(module(x))`` for a linear layer, fused where its kind can (:func:`linear_act` for ``nn.Linear``)."""
+    return linear_forms(module).act(module, x, act)
+
+
+def linear_add_of(module: nn.Module, x: Tensor, residual: Tensor) -> Tensor:
+    """``residual + module(x)`` for a linear layer, fused where its kind can (:func:`linear_add` for
+    ``nn.Linear``)."""
+    return linear_forms(module).add(module, x, residual)
+
+
+def activation(name: str, x: Tensor) -> Tensor:
+    """The activation of :data:`ACTIVATIONS` called ``name``, unfused."""
+    return _PLAIN[name](x)
+
+
+register_linear(nn.Linear, LinearForms(
+    bind=lambda m, rows: decode_linear(m.weight, m.bias, rows),
+    act=lambda m, x, act: linear_act(x, m.weight, m.bias, act),
+    add=lambda m, x, residual: linear_add(x, m.weight, m.bias, residual)))

@@ -13,15 +13,19 @@ into the mask), ``advance`` and ``plain`` (whether the plain one-token functions
 * :class:`StaticView` (static shapes, for a compiled step) over a :class:`StaticKVCache`'s separate per-layer
   tensors, written at a position given as a tensor, attention over all M positions with a mask hiding the unwritten ones
   (:mod:`tokenloom.generation.compiled`).
-* :class:`RaggedView` (rows at different lengths, a server's running batch): row b writes at its own
-  ``lengths[b]`` and attends over the first ``max(lengths) + 1`` positions, the mask hiding each row's later ones.
+* :class:`RaggedView` (rows at different lengths, a server's running batch): row b writes its T new positions from
+  its own ``lengths[b]`` and attends over the first ``max(lengths) + T`` positions, the mask hiding each row's later
+  ones.
 * :class:`MemoryLayer`: an encoder's keys and values for cross-attention, computed once; ``update`` returns them.
 * :class:`SegmentMemory` (Transformer-XL): each layer's keys and values of the last ``memory_len`` positions,
   detached, prepended to the next call's own: segment-level recurrence in training, evaluation and decoding.
 * :class:`RollingKVCache` (sliding-window attention): a ring of ``globals + window`` slots per layer, so decoding
   holds the memory of the window however long it runs.
 
-A paged cache joins as one more class with these methods.
+A paged cache joins as one more class with these methods. Speculative decoding drops the rejected drafts of each
+verification (:meth:`KVCache.rewind`); the strategies that can are declared with :func:`declare_rewind` (the dense one
+and its subclasses), never probed: a rolling ring has overwritten what a rejected draft displaced, a Transformer-XL
+memory has pushed it out, a static cache belongs to compiled one-token steps.
 """
 
 from __future__ import annotations
@@ -87,7 +91,7 @@ class StaticLayer:
 
 
 class RaggedLayer:
-    """Row b writes its one new position at ``owner.lengths[b]``; attends over the first ``owner.keys``."""
+    """Row b writes its T new positions at ``owner.lengths[b]`` onwards; attends over the first ``owner.keys``."""
 
     __slots__ = ("k", "v", "owner", "rows")
 
@@ -96,9 +100,14 @@ class RaggedLayer:
         self.rows = torch.arange(k.shape[0], device=k.device)
 
     def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        at = self.owner.lengths
-        self.k[self.rows, :, at] = k[:, :, 0]
-        self.v[self.rows, :, at] = v[:, :, 0]
+        if k.shape[2] == 1:
+            at = self.owner.lengths
+            self.k[self.rows, :, at] = k[:, :, 0]
+            self.v[self.rows, :, at] = v[:, :, 0]
+        else:  # (B, T) columns; the indexed (B, T, Hkv, D) gets the new (B, Hkv, T, D) transposed
+            at = self.owner.columns
+            self.k[self.rows[:, None], :, at] = k.transpose(1, 2)
+            self.v[self.rows[:, None], :, at] = v.transpose(1, 2)
         S = self.owner.keys
         return self.k[:, :, :S], self.v[:, :, :S]
 
@@ -137,6 +146,22 @@ class DenseCache:
         self.length = 0
 
 
+_REWINDS: set[type] = set()  # cache strategies that can forget their last positions (speculative decoding)
+
+
+def declare_rewind(cls: type) -> type:
+    """Class decorator: ``cls`` (and its subclasses) offers ``rewind(drop) -> shifts``, ``trim(n)`` and
+    ``select(index)`` with :class:`KVCache`'s meaning (what speculative decoding does after each verification)."""
+    _REWINDS.add(cls)
+    return cls
+
+
+def rewinds(cache: object) -> bool:
+    """Whether ``cache``'s strategy was declared with :func:`declare_rewind`, along its MRO."""
+    return any(base in _REWINDS for base in type(cache).__mro__)
+
+
+@declare_rewind
 class KVCache(DenseCache):
     """The dense strategy: keys and values of every layer, preallocated to ``max_len`` positions.
 
@@ -194,6 +219,34 @@ class KVCache(DenseCache):
         torch.index_select(kv, 2, index, out=spare)
         kv.copy_(spare)
 
+    def rewind(self, drop: Tensor) -> Tensor:
+        """Row b forgets its last ``drop[b]`` positions ((B,) long, each in [0, length]): speculative decoding
+        dropping the rejected drafts of a verification. ``length`` goes down by ``min(drop)``, and a row that drops
+        more is moved right by the difference (its left padding grows), so every row still ends at ``length``: the
+        batch stays left-padded. Returns the (B,) shifts; the caller masks each row's first ``shifts[b]`` columns
+        as padding (what they hold is left over). Batch 1 (or equal drops) just lowers ``length``."""
+        low = int(drop.min())
+        self.length -= low
+        shifts = drop - low  # (B,)
+        rows = shifts.nonzero().view(-1)
+        n = self.length
+        if rows.numel() and n:
+            moved = self.kv[..., :n, :].index_select(2, rows)  # (L, 2, R, Hkv, n, D), a copy
+            L, two, R, Hkv, _, D = moved.shape
+            source = (torch.arange(n, device=drop.device)[None] - shifts[rows][:, None]).clamp_(min=0)  # (R, n)
+            self.kv[:, :, rows, :, :n] = moved.gather(4, source.view(1, 1, R, 1, n, 1).expand(L, two, R, Hkv, n, D))
+        return shifts
+
+    def trim(self, n: int) -> None:
+        """Forget the first ``n`` positions of every row (columns that are padding in the rows that matter): the
+        rest moves left, ``length`` goes down by ``n``. The :attr:`layers` stay valid (same storage)."""
+        if n <= 0:
+            return
+        kept = self.length - n
+        if kept > 0:
+            self.kv[..., :kept, :] = self.kv[..., n:self.length, :].clone()
+        self.length = max(kept, 0)
+
     def copy_rows(self, row: int, source: KVCache, source_row: int, n: int) -> None:
         """Copy the first ``n`` positions of ``source``'s row ``source_row`` (``source`` may be this cache) into
         row ``row``: a server moving a prefilled prompt into its running batch, or a last row into a freed one."""
@@ -205,10 +258,13 @@ class KVCache(DenseCache):
 
 
 class RaggedView:
-    """The ragged strategy: rows at different lengths (continuous batching), one new position each.
+    """The ragged strategy: rows at different lengths (continuous batching), T new positions each.
 
     ``k``, ``v`` (L, B, Hkv, M, D) views of a dense cache's first B rows; ``lengths`` (B,) each row's cached
-    positions, which is also where its new key and value go (its position). The caller advances ``lengths``.
+    positions, which is also where its new keys and values go: row b writes its T positions at ``lengths[b] ..
+    lengths[b] + T - 1`` and its query t sees keys ``j <= lengths[b] + t`` (T > 1: a server's speculative
+    verification, rows with fewer drafts padding theirs; what a row wrote past the tokens it keeps is never seen
+    again, and overwritten later). The caller advances ``lengths`` and keeps ``max(lengths) + T <= M``.
     """
 
     plain = True
@@ -216,6 +272,7 @@ class RaggedView:
     def __init__(self, k: Tensor, v: Tensor, lengths: Tensor) -> None:
         self.layers: list[LayerCache] = [RaggedLayer(k[i], v[i], self) for i in range(k.shape[0])]
         self.lengths, self.keys = lengths, 0
+        self.columns = lengths[:, None]  # (B, T) the columns a call writes (its queries' key indices)
         self._batch = k.shape[1]
 
     @property
@@ -223,10 +280,12 @@ class RaggedView:
         return self._batch
 
     def span(self, T: int, attention_mask: Tensor | None) -> KeySpan:
-        if T != 1:
-            raise ValueError(f"a ragged cache takes one new position per row, got {T}")
-        self.keys = int(self.lengths.max()) + 1
-        return KeySpan(None, self.keys, self.lengths[:, None], None, ragged=True)
+        """One query per row (T = 1) is computed with the one-query kernel (``ragged``); T > 1 with the (B, 1, T, S)
+        mask of each row's queries."""
+        self.keys = int(self.lengths.max()) + T
+        self.columns = self.lengths[:, None] if T == 1 else \
+            self.lengths[:, None] + torch.arange(T, device=self.lengths.device)  # (B, T)
+        return KeySpan(None, self.keys, self.columns, None, ragged=T == 1)
 
     def advance(self, n: int) -> None:
         """Nothing: the caller owns ``lengths``."""

@@ -3,9 +3,9 @@
 Shapes: x (B, T, C) -> (B, T, C); the hidden width is ``hidden_dim``. Each MLP's
 ``inference_function(rows)`` returns a plain function equal to ``forward`` in eval mode (no dropout), without
 the ``nn.Module`` call overhead, for decode loops of ``rows`` rows per call, its linear layers through
-:func:`tokenloom.nn.fused.decode_linear`; it captures the current parameters. ``add_to(residual, x)``
-is ``residual + forward(x)``, in eval-mode inference on CPU with the activation fused into the first linear
-layer and the residual into the second (:mod:`tokenloom.nn.fused`).
+:func:`tokenloom.nn.fused.bind_linear` (a float layer's pre-packed weights, a quantised layer's kernel); it captures
+the current parameters. ``add_to(residual, x)`` is ``residual + forward(x)``, in eval-mode inference on CPU with the
+activation fused into the first linear layer and the residual into the second (:mod:`tokenloom.nn.fused`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from ..registry import Registry
 from .dropout import Dropout
-from .fused import decode_linear, linear_act, linear_add
+from .fused import bind_linear, linear_act_of, linear_add_of
 
 MLPS: Registry[type[nn.Module]] = Registry("mlp")
 
@@ -44,12 +44,10 @@ class _TwoLayerMLP(nn.Module):
         """``residual + self(x)``; in eval mode with the linear layers fused where :mod:`.fused` can."""
         if self.training or not self.act_name:
             return residual + self(x)
-        h = linear_act(x, self.fc_in.weight, self.fc_in.bias, self.act_name)
-        return linear_add(h, self.fc_out.weight, self.fc_out.bias, residual)
+        return linear_add_of(self.fc_out, linear_act_of(self.fc_in, x, self.act_name), residual)
 
     def inference_function(self, rows: int | None = None, residual: bool = False) -> Callable[..., Tensor]:
-        fc_in = decode_linear(self.fc_in.weight, self.fc_in.bias, rows)
-        fc_out = decode_linear(self.fc_out.weight, self.fc_out.bias, rows)
+        fc_in, fc_out = bind_linear(self.fc_in, rows), bind_linear(self.fc_out, rows)
         act = self.inference_act()
         if residual:
             def mlp_add(x: Tensor, residual: Tensor) -> Tensor:
@@ -140,13 +138,10 @@ class SwiGLU(nn.Module):
         can."""
         if self.training:
             return residual + self(x)
-        h = linear_act(x, self.fc_gate.weight, self.fc_gate.bias, "silu") * self.fc_up(x)
-        return linear_add(h, self.fc_out.weight, self.fc_out.bias, residual)
+        return linear_add_of(self.fc_out, linear_act_of(self.fc_gate, x, "silu") * self.fc_up(x), residual)
 
     def inference_function(self, rows: int | None = None, residual: bool = False) -> Callable[..., Tensor]:
-        gate, up = decode_linear(self.fc_gate.weight, self.fc_gate.bias, rows), \
-            decode_linear(self.fc_up.weight, self.fc_up.bias, rows)
-        fc_out = decode_linear(self.fc_out.weight, self.fc_out.bias, rows)
+        gate, up, fc_out = (bind_linear(layer, rows) for layer in (self.fc_gate, self.fc_up, self.fc_out))
         if residual:
             def mlp_add(x: Tensor, residual: Tensor) -> Tensor:
                 return residual + fc_out(F.silu(gate(x)) * up(x))

@@ -27,9 +27,10 @@ __all__ = ["MAX_BEAM", "MAX_INPUTS", "APIError", "CatchAll", "ClientGone", "Serv
            "create_app", "generation_settings", "parse_json"]
 
 
-def create_app(model, tokenizer, config: ServeConfig):
-    """The FastAPI app serving ``model`` (GPT: completions; encoder-decoder or NAT: translations)."""
-    state = ServerState.create(model, tokenizer, config)
+def create_app(model, tokenizer, config: ServeConfig, draft=None):  # noqa: ANN001
+    """The FastAPI app serving ``model`` (GPT: completions; encoder-decoder or NAT: translations); ``draft``: a
+    draft model for speculative decoding (``config.prompt_lookup``: prompt lookup instead)."""
+    state = ServerState.create(model, tokenizer, config, draft)
     # /openapi.json is public documentation (no API key, like /health): the request and reply schemas of every
     # route (tokenloom.serving.schema), for clients and for fuzzers; no docs pages
     from .. import __version__

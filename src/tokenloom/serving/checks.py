@@ -59,7 +59,8 @@ def number(body: dict, name: str, default: float, low: float, high: float, low_o
 
 
 def generation_settings(body: dict, config: ServeConfig, default_max_tokens: int = 16) -> dict[str, Any]:
-    """max_tokens, temperature, top_p, top_k, stop, n, seed of an OpenAI request, checked."""
+    """max_tokens, temperature, top_p, top_k, stop, n, seed of an OpenAI request, and tokenloom's ``speculative``
+    (false: plain decoding on a server with a drafter), checked."""
     max_tokens = min(default_max_tokens, config.max_tokens)
     for name in ("max_completion_tokens", "max_tokens"):  # both checked; max_tokens wins when both are given
         value = field(body, name, (int,), None)
@@ -89,7 +90,8 @@ def generation_settings(body: dict, config: ServeConfig, default_max_tokens: int
     return dict(max_tokens=max_tokens, temperature=temperature,
                 top_p=number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=top_k, stop=stop, n=n, seed=seed,
                 stream=bool(field(body, "stream", (bool,), False)),
-                include_usage=bool(field(options, "include_usage", (bool,), False)))
+                include_usage=bool(field(options, "include_usage", (bool,), False)),
+                speculative=field(body, "speculative", (bool,), True))  # tokenloom's own: false opts out
 
 
 def check_model(body: dict, config: ServeConfig) -> None:

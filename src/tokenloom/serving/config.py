@@ -24,11 +24,19 @@ class ServeConfig:
     host: str = "127.0.0.1"
     allowed_hosts: tuple[str, ...] = ()
     cors_origins: tuple[str, ...] = ()  # empty: CORS off
+    # speculative decoding (tokenloom.serving.speculation): prompt lookup's longest n-gram (0 = off; a draft model
+    # is given to create_app), and the tokens drafted per verification pass
+    prompt_lookup: int = 0
+    num_draft_tokens: int = 4
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue", "max_tokens", "max_body_bytes", "max_prompts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)}")
+        for name, low in (("prompt_lookup", 0), ("num_draft_tokens", 1)):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < low:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")
         if not (isinstance(self.request_timeout, (int, float)) and 0 < self.request_timeout <= 86400 * 7):
             raise ConfigError(f"--request-timeout must be a number of seconds in (0, 604800], got "
                               f"{self.request_timeout}")  # NaN fails the comparison too

@@ -17,6 +17,11 @@ batch between decode steps, over a slot-based preallocated KV cache.
   the context full, a deadline (``timeout``), or cancellation (a client that went away): its row is freed
   before the next step.
 * The queue of waiting requests is bounded: :meth:`Engine.submit` raises :class:`QueueFull` when it is full.
+* Speculative decoding (``draft=``: a :class:`~tokenloom.generation.drafting.PromptLookup` or a draft model): the
+  requests that opted in (``Request.speculative``, the default) get drafts, and one pass of T positions per row
+  verifies them, each row advancing by the tokens it kept (:mod:`tokenloom.serving.speculation`); a step without
+  drafts is a plain one. Greedy output stays the plain output; the stop conditions cut a multi-token advance where
+  one-by-one decoding would have stopped.
 
 Events reach the caller through ``request.emit(event)``, called on the engine thread, or, with a ``dispatch``
 function, handed over once per step as a list of ``(emit, event)`` pairs (a server's event loop calls them):
@@ -42,6 +47,7 @@ from ..generation.config import GenerationConfig
 from ..generation.processors import create_processors
 from ..models.sizes import check_kv_cache
 from ..nn.kv_cache import KVCache
+from .speculation import Speculator, accept
 
 
 class QueueFull(Exception):
@@ -57,6 +63,7 @@ class Request:
     emit: Callable[[tuple], None]
     deadline: float | None = None  # time.monotonic() after which it ends with a timeout error
     stop_strings: list[str] = field(default_factory=list)
+    speculative: bool = True  # drafts when the engine has a drafter (False: plain decoding)
     cancelled: bool = False
     # filled in by the engine
     new_ids: list[int] = field(default_factory=list)
@@ -64,6 +71,8 @@ class Request:
     submitted: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None
     finish_reason: str | None = None
+    drafted: int = 0  # draft tokens verified for it
+    accepted: int = 0  # of those, the ones kept
 
     def cancel(self) -> None:
         """Called from any thread: the engine drops the request before its next step."""
@@ -76,6 +85,8 @@ class _Slot:
     processors: object
     generator: torch.Generator | None
     last: int  # the last token, fed at the next step
+    speculative: bool = False  # it gets drafts
+    draft_state: object = None  # its drafter's own state (a prompt-lookup table)
 
 
 class Engine:
@@ -83,7 +94,9 @@ class Engine:
 
     def __init__(self, model, tokenizer, max_batch: int = 16, max_queue: int = 64,
                  on_step: Callable[[int, int], None] | None = None,
-                 dispatch: Callable[[list[tuple[Callable, tuple]]], None] | None = None) -> None:
+                 dispatch: Callable[[list[tuple[Callable, tuple]]], None] | None = None,
+                 draft=None, num_draft_tokens: int = 4,  # noqa: ANN001 - a draft model or a PromptLookup
+                 on_draft: Callable[[int, int], None] | None = None) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_len = max_batch, model.config.max_seq_len
         c = model.config
@@ -94,7 +107,11 @@ class Engine:
         # fit in memory (tokenloom.budget)
         element = next(model.parameters()).element_size()
         check_kv_cache(c, max_batch, self.max_len, element, f"max_batch={max_batch}", error=ConfigError)
-        self.cache = model.create_cache(max_batch, self.max_len, rolling=False)
+        self.vocab_limit = vocabulary_limit(tokenizer, c.vocab_size)
+        self.speculator = None if draft is None else \
+            Speculator(draft, num_draft_tokens, model, max_batch, self.vocab_limit)
+        extra = 0 if self.speculator is None else self.speculator.extra_columns  # a verification's padded positions
+        self.cache = model.create_cache(max_batch, self.max_len + extra, rolling=False)
         if not isinstance(self.cache, KVCache):  # continuous batching moves rows of a dense key/value cache
             raise ConfigError(f"{type(model).__name__} models cannot be served: continuous batching needs a key/value "
                               f"cache, and they decode over a {type(self.cache).__name__} (use tokenloom generate)")
@@ -104,8 +121,8 @@ class Engine:
         self.slots: list[_Slot] = []
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
         self.eos = getattr(tokenizer, "eos_id", None)
-        self.vocab_limit = vocabulary_limit(tokenizer, c.vocab_size)
         self.on_step = on_step  # (active rows, tokens produced) after every step, for metrics
+        self.on_draft = on_draft  # (tokens drafted, drafts kept) after every speculative step, for metrics
         # dispatch: hands one step's events, [(request.emit, event), ...], to the consumer at once (a server's event
         # loop: one wake-up per step instead of one per request); None: each emit is called directly
         self.dispatch = dispatch
@@ -207,21 +224,24 @@ class Engine:
             ids = torch.tensor([request.prompt_ids], device=self.device)
             cache = self.model.create_cache(1, self.max_len, rolling=False)
             logits = self.model(ids, cache=cache)[0, -1]  # (V,)
+            row, T = len(self.slots), ids.shape[1]
+            speculative = self.speculator is not None and request.speculative
+            state = self.speculator.start(row, request) if self.speculator is not None else None
         except Exception as error:  # noqa: BLE001
             self._emit(request, ("error", f"generation failed: {error}"))
             self._flush()
             return
-        row, T = len(self.slots), ids.shape[1]
         self.cache.copy_rows(row, cache, 0, T)
         self.lengths[row] = T
         config = request.config
         generator = None
         if not config.greedy and config.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        slot = _Slot(request, create_processors(config), generator, last=-1)
+        slot = _Slot(request, create_processors(config), generator, last=-1, speculative=speculative,
+                     draft_state=state)
         self.slots.append(slot)
         token = self._choose(slot, self._limited(logits[None]))[0]
-        self._deliver([slot], [token])
+        self._deliver([slot], [[token]])
         if self.on_step is not None:
             self.on_step(len(self.slots), 1)
         self._release()
@@ -232,13 +252,44 @@ class Engine:
         if A not in self.views:
             self.views[A] = self.cache.ragged(A, self.lengths[:A])
         lengths = self.lengths[:A]
-        logits = self.model(tokens, positions=lengths[:, None], cache=self.views[A])[:, 0]  # (A, V)
-        self.lengths[:A] += 1
-        chosen = self._choose_all(logits)
-        self._deliver(self.slots, chosen)
+        proposal = None
+        if self.speculator is not None:
+            proposal = self.speculator.propose(self.slots, [self._budget(s.request) for s in self.slots])
+        if proposal is None:
+            logits = self.model(tokens, positions=lengths[:, None], cache=self.views[A])[:, 0]  # (A, V)
+            self.lengths[:A] += 1
+            produced = self._deliver(self.slots, [[token] for token in self._choose_all(logits)])
+        else:
+            produced = self._verify(tokens, proposal)
         if self.on_step is not None:
-            self.on_step(A, A)
+            self.on_step(A, produced)
         self._release()
+
+    def _budget(self, request: Request) -> int:
+        """The tokens ``request`` may still produce: its ``max_tokens`` and the context."""
+        n = len(request.new_ids)
+        return min(request.config.max_new_tokens - n, self.max_len - len(request.prompt_ids) - n)
+
+    def _verify(self, tokens: Tensor, proposal) -> int:  # noqa: ANN001 - a speculation.Proposal
+        """One pass over each row's newest token (A, 1) and its drafts (T positions per row, written from its own
+        length; a row's positions past its drafts are padding, at its last real position); each row advances by
+        the drafts it keeps and the model's next token. -> the tokens produced."""
+        A, T = len(self.slots), proposal.tokens.shape[1] + 1
+        lengths, counts = self.lengths[:A], proposal.counts
+        offsets = torch.minimum(torch.arange(T, device=self.device)[None], counts[:, None])  # (A, T)
+        logits = self.model(torch.cat((tokens, proposal.tokens), 1), positions=lengths[:, None] + offsets,
+                            cache=self.views[A])  # (A, T, V)
+        scores = self._limited(logits.reshape(A * T, -1)).view(A, T, -1)
+        kept, nxt = accept(self.slots, scores, proposal)
+        self.lengths[:A] += torch.tensor(kept, device=self.device) + 1
+        self.speculator.settle(self.lengths[:A])
+        drafts = proposal.tokens.tolist()
+        for slot, c, k in zip(self.slots, counts.tolist(), kept, strict=True):
+            slot.request.drafted += c
+            slot.request.accepted += k
+        if self.on_draft is not None:
+            self.on_draft(int(counts.sum()), sum(kept))
+        return self._deliver(self.slots, [row[:k] + [n] for row, k, n in zip(drafts, kept, nxt, strict=True)])
 
     def _limited(self, logits: Tensor) -> Tensor:
         """(A, V) logits as float32, ids past the tokenizer's vocabulary never chosen."""
@@ -264,28 +315,24 @@ class Engine:
         history = torch.tensor([request.prompt_ids + request.new_ids], device=self.device) if slot.processors else None
         return choose_next(scores, history, slot.processors, request.config.greedy, slot.generator)[:, 0].tolist()
 
-    def _deliver(self, slots: list[_Slot], tokens: list[int]) -> None:
-        now = time.monotonic()
-        for slot, token in zip(slots, tokens, strict=True):
+    def _deliver(self, slots: list[_Slot], tokens: list[list[int]]) -> int:
+        """Hand each slot's new tokens to its request, one by one as plain decoding would, up to the first that
+        ends it (EOS, a stop string, ``max_tokens``, the context full), and emit the text that became final.
+        -> the tokens taken."""
+        now, taken = time.monotonic(), 0
+        for slot, new in zip(slots, tokens, strict=True):
             request = slot.request
             if request.finish_reason is not None:
                 continue
             if request.first_token_at is None:
                 request.first_token_at = now
-            slot.last = token
-            reason = None
-            if self.eos is not None and token == self.eos:
-                reason = "stop"
-            else:
-                request.new_ids.append(token)
+            slot.last = new[-1]
+            reason, used = self._take(request, new)
+            taken += used
             text = self.tokenizer.decode(request.new_ids)
-            cut = min((text.find(s) for s in request.stop_strings if s in text), default=-1)
+            cut = _stop_at(text, request.stop_strings)
             if cut >= 0:
                 text, reason = text[:cut], "stop"
-            elif reason is None and len(request.new_ids) >= request.config.max_new_tokens:
-                reason = "length"
-            elif reason is None and len(request.prompt_ids) + len(request.new_ids) >= self.max_len:
-                reason = "length"  # the context is full
             if reason is None:  # hold back what could still become a stop string, and a partial character
                 hold = max((len(s) - 1 for s in request.stop_strings), default=0)
                 text = text[:max(0, len(text) - hold)]
@@ -300,6 +347,22 @@ class Engine:
             elif request.deadline is not None and now > request.deadline:
                 request.finish_reason = "timeout"
                 self._emit(request, ("error", "the request took longer than the server's request timeout"))
+        return taken
+
+    def _take(self, request: Request, tokens: list[int]) -> tuple[str | None, int]:
+        """Append ``tokens`` to the request's new ones up to the first that ends it: -> (``stop`` (EOS, not
+        appended, or a stop string), ``length`` (``max_tokens``, the context full) or None; the tokens used)."""
+        for used, token in enumerate(tokens, 1):
+            if self.eos is not None and token == self.eos:
+                return "stop", used
+            request.new_ids.append(token)
+            if len(tokens) > 1 and request.stop_strings and \
+                    _stop_at(self.tokenizer.decode(request.new_ids), request.stop_strings) >= 0:
+                return "stop", used  # (one token: the caller's own check finds it)
+            if len(request.new_ids) >= request.config.max_new_tokens or \
+                    len(request.prompt_ids) + len(request.new_ids) >= self.max_len:
+                return "length", used  # max_tokens, or the context is full
+        return None, len(tokens)
 
     def _emit(self, request: Request, event: tuple) -> None:
         if self.dispatch is None:
@@ -328,4 +391,11 @@ class Engine:
                 self.cache.copy_rows(row, self.cache, last, n)
                 self.lengths[row] = self.lengths[last]
                 self.slots[row] = self.slots[last]
+                if self.speculator is not None:
+                    self.speculator.move(row, last)
             self.slots.pop()
+
+
+def _stop_at(text: str, stop_strings: list[str]) -> int:
+    """Where the first stop string found in ``text`` starts, or -1."""
+    return min((text.find(s) for s in stop_strings if s in text), default=-1)

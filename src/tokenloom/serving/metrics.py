@@ -43,6 +43,7 @@ class Metrics:
         self.errors: dict[int, int] = {}
         self.tokens = 0
         self.steps = 0
+        self.drafted = self.accepted = 0  # speculative decoding: draft tokens verified, and kept
         self.recent: deque[tuple[float, int]] = deque()
         self.latency, self.ttft = Histogram(), Histogram()
 
@@ -54,6 +55,11 @@ class Metrics:
             self.recent.append((now, tokens))
             while self.recent and self.recent[0][0] < now - self.WINDOW:
                 self.recent.popleft()
+
+    def on_draft(self, drafted: int, accepted: int) -> None:  # engine thread
+        with self._lock:
+            self.drafted += drafted
+            self.accepted += accepted
 
     def count_request(self, endpoint: str) -> None:
         with self._lock:
@@ -108,7 +114,12 @@ class Metrics:
                       "# TYPE tokenloom_decode_steps_total counter", f"tokenloom_decode_steps_total {self.steps}",
                       f"# HELP tokenloom_tokens_per_second Tokens generated per second over the last "
                       f"{self.WINDOW:g} s.", "# TYPE tokenloom_tokens_per_second gauge",
-                      f"tokenloom_tokens_per_second {rate:.3f}"]
+                      f"tokenloom_tokens_per_second {rate:.3f}",
+                      "# HELP tokenloom_draft_tokens_total Speculative decoding: draft tokens verified by the model.",
+                      "# TYPE tokenloom_draft_tokens_total counter", f"tokenloom_draft_tokens_total {self.drafted}",
+                      "# HELP tokenloom_draft_tokens_accepted_total Speculative decoding: draft tokens the model kept.",
+                      "# TYPE tokenloom_draft_tokens_accepted_total counter",
+                      f"tokenloom_draft_tokens_accepted_total {self.accepted}"]
             active = engine.active if engine is not None else 0
             queued = engine.queued if engine is not None else 0
             lines += ["# HELP tokenloom_queue_depth Requests waiting for a batch slot.",

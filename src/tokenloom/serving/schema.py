@@ -93,6 +93,9 @@ def generation_properties(config) -> dict[str, Any]:  # noqa: ANN001 - a ServeCo
                            "description": "choice j samples with seed + j"}),
         "stop": {"anyOf": [stop, {"type": "array", "items": stop, "maxItems": 4}, {"type": "null"}]},
         "stream": _nullable({"type": "boolean"}),
+        "speculative": _nullable({"type": "boolean", "description": "tokenloom: speculative decoding for this "
+                                  "request when the server has a drafter (--draft, --prompt-lookup; default true); "
+                                  "false: plain decoding"}),
         "stream_options": _nullable({"type": "object",
                                      "properties": {"include_usage": _nullable({"type": "boolean"})}}),
     }

@@ -12,6 +12,8 @@ from typing import Any
 from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
+from ..errors import ConfigError
+from ..generation.drafting import PromptLookup
 from ..models.registry import decoding_of
 from .checks import APIError
 from .config import ServeConfig
@@ -37,11 +39,20 @@ class ServerState:
     loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app (set by the lifespan)
 
     @classmethod
-    def create(cls, model, tokenizer, config: ServeConfig) -> ServerState:
+    def create(cls, model, tokenizer, config: ServeConfig, draft=None) -> ServerState:  # noqa: ANN001 - a model
+        """``draft``: a draft model for speculative decoding (``config.prompt_lookup``: prompt lookup instead)."""
         state = cls(model, tokenizer, config, is_lm=decoding_of(model) == "causal_lm")
+        if draft is not None and config.prompt_lookup:
+            raise ConfigError("--draft and --prompt-lookup are two drafters: give one")
+        if config.prompt_lookup:
+            draft = PromptLookup(config.prompt_lookup)
+        if draft is not None and not state.is_lm:
+            raise ConfigError("speculative decoding (--draft, --prompt-lookup) applies to a language model's "
+                              "completions; this server serves a translation model")
         if state.is_lm:
             state.engine = Engine(model, tokenizer, config.max_batch, config.max_queue, on_step=state.metrics.on_step,
-                                  dispatch=state.dispatch)
+                                  dispatch=state.dispatch, draft=draft, num_draft_tokens=config.num_draft_tokens,
+                                  on_draft=state.metrics.on_draft)
         state.api_key = check_api_key(config.api_key) if config.api_key is not None else None
         return state
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -328,7 +328,8 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
               length_penalty: float = 1.0, max_tokens: int = 4096, max_len_a: float = 1.5, max_len_b: int = 10,
               no_repeat_ngram_size: int = 0, truncate: bool = True, iterations: int | None = None,
               length_beam: int | None = None, rescorer: nn.Module | None = None,
-              progress: Callable[[int], object] | None = None, rounds: list[int] | None = None) -> list[str]:
+              progress: Callable[[int], object] | None = None, rounds: list[int] | None = None,
+              speculation: Speculation | None = None) -> list[str]:
     """Translate ``sentences`` (in order) with an encoder-decoder: beam search with ``beam`` beams (default
     :data:`DEFAULT_BEAM`, 5, as ``tokenloom translate``; ``beam=1`` is greedy); a non-autoregressive model
     (:mod:`tokenloom.models.nat`) decodes in parallel instead, with the options its kind takes
@@ -344,6 +345,9 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
     ``progress``, when given, is called after each batch with the number of sentences it translated. ``rounds``,
     when given, gets the decoder rounds each sentence used appended (in batch order) by the decodings that count
     them: a parallel model's (:func:`tokenloom.generation.nat.nat_decode`), a semi-autoregressive one's steps.
+    ``speculation`` (greedy autoregressive decoding only): speculative decoding of each batch
+    (:class:`Speculation`: a draft encoder-decoder, bound to the same sources, or prompt lookup over the source and
+    the output), the same translations.
     """
     from ..nn.modes import eval_mode
 
@@ -356,6 +360,9 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
         beam = default_beam(model)
     parallel_options = check_decoding_options(model, beam=beam, iterations=iterations, length_beam=length_beam,
                                               rescorer=rescorer)
+    if speculation is not None and (kind != "encoder_decoder" or beam != 1):
+        raise ConfigError("speculative decoding (a draft model or prompt lookup) applies to greedy autoregressive "
+                          f"translation (beam 1), not to {'beam search' if beam != 1 else f'{kind} decoding'}")
     ids = special_ids(tokenizer)
     encoded = encode_sources(model, tokenizer, sentences, truncate=truncate)
     results: list[str] = [""] * len(encoded)
@@ -367,7 +374,7 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
                                                   device=device):
             new = min(c.max_target_len - 1, int(max_len_a * source.shape[1] + max_len_b))
             request = BatchRequest(new, ids, beam, length_penalty, no_repeat_ngram_size, parallel_options, rescorer,
-                                   rounds)
+                                   rounds, speculation)
             outputs = decode_batch(model, source, mask, request)
             for i, tokens in zip(chunk, outputs, strict=True):
                 results[i] = tokenizer.decode(tokens).strip()
@@ -387,6 +394,18 @@ class BatchRequest(NamedTuple):
     parallel_options: dict[str, int]  # a non-autoregressive model's options (check_decoding_options)
     rescorer: nn.Module | None
     rounds: list[int] | None  # gets the decoder rounds of each sentence appended, where the decoding counts them
+    speculation: Speculation | None = None  # speculative greedy decoding (autoregressive decoding only)
+
+
+class Speculation(NamedTuple):
+    """Speculative decoding of :func:`translate`'s greedy batches (:mod:`tokenloom.generation.speculative`): a
+    ``draft`` encoder-decoder of the same vocabulary (bound to each batch's sources as the model is) or prompt lookup
+    of n-grams up to ``prompt_lookup`` over each sentence's source and output; ``tally`` adds up the passes."""
+
+    draft: nn.Module | None = None
+    prompt_lookup: int = 0
+    num_draft_tokens: int = 4
+    tally: object | None = None  # a tokenloom.generation.DraftTally
 
 
 def _autoregressive_batch(model: nn.Module, source: Tensor, mask: Tensor, request: BatchRequest) -> list[list[int]]:
@@ -400,7 +419,16 @@ def _autoregressive_batch(model: nn.Module, source: Tensor, mask: Tensor, reques
                               no_repeat_ngram_size=request.no_repeat_ngram_size, eos_token_id=ids["eos_id"],
                               pad_token_id=ids["pad_id"])
     bos = torch.full((source.shape[0], 1), ids["bos_id"], dtype=torch.long, device=source.device)
-    out = generate(model.decoder_for(source, mask), bos, config)
+    extra = {}
+    spec = request.speculation
+    if spec is not None:  # the drafter sees this batch's sources: a draft decoder bound to them, or their ids
+        from ..generation import PromptLookup
+
+        config = replace(config, num_draft_tokens=spec.num_draft_tokens)
+        draft = spec.draft.decoder_for(source, mask) if spec.draft is not None else \
+            PromptLookup(spec.prompt_lookup, context=source, context_mask=mask)
+        extra = {"draft": draft, "draft_tally": spec.tally}
+    out = generate(model.decoder_for(source, mask), bos, config, **extra)
     outputs = []
     for row in out[:, 1:].tolist():
         tokens = row[:row.index(ids["eos_id"])] if ids["eos_id"] in row else row

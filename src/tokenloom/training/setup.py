@@ -9,7 +9,14 @@ from pathlib import Path
 
 import torch
 
-from ..checkpoint import checkpoint_damage, load_tokenizer, load_weights, read_config, resolve_checkpoint
+from ..checkpoint import (
+    checkpoint_damage,
+    load_tokenizer,
+    load_weights,
+    read_config,
+    refuse_quantized,
+    resolve_checkpoint,
+)
 from ..errors import CheckpointError, ConfigError
 from ..tasks import TASKS
 from .config import RunConfig
@@ -39,9 +46,11 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
     model_section = config.model
     if resume:
         checkpoint = newest_intact_checkpoint(run_dir)
+        refuse_quantized(checkpoint, "resuming a run")
         tokenizer = load_tokenizer(checkpoint) if uses_tokenizer else None
     elif t.init_from:
         checkpoint = resolve_checkpoint(t.init_from)
+        refuse_quantized(checkpoint, "train.init_from (fine-tuning)")
         tokenizer = load_tokenizer(checkpoint) if uses_tokenizer else None
         model_section = {**read_config(checkpoint).get("model", {}), **config.model}
     # before anything is written, prepared or allocated; a model whose sizes come from the data (an image

@@ -158,7 +158,8 @@ async def submit(state: ServerState, jobs, settings) -> list[tuple[int, Request,
         for index, ids, gen in jobs:
             events: asyncio.Queue = asyncio.Queue()
             # put_nowait runs on this loop: the engine hands its events over through dispatch()
-            request = Request(ids, gen, events.put_nowait, deadline=deadline, stop_strings=settings["stop"])
+            request = Request(ids, gen, events.put_nowait, deadline=deadline, stop_strings=settings["stop"],
+                              speculative=settings["speculative"])
             state.engine.submit(request)
             started.append((index, request, events))
     except QueueFull as err:
