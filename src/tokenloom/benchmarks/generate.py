@@ -17,6 +17,12 @@ with the bandwidth measured in the same run (best of 10 ``x.sum()`` over a 1 GiB
 ``--compile`` adds ``generate(compile=True)`` (the one-token step compiled over a static cache), fp32 and,
 with ``--bf16``, bf16 weights, with the fraction of its tokens equal to eager decoding's.
 
+``--precision int8,int4`` adds weight-only quantised variants (:mod:`tokenloom.nn.quantized`, blocks only, group 128
+or the largest that fits for int4): speed, weight bytes and teacher-forced agreement with fp32.
+``--draft RUN`` / ``--prompt-lookup N`` (``--num-draft-tokens K``) add speculative greedy decoding on the same
+random-id prompts: speed, the drafter's acceptance and whether the tokens equal plain greedy decoding's (text prompts,
+where a drafter's acceptance means something: ``benchmarks/bench_speculative.py``).
+
 ``--bf16`` adds tokenloom in bf16 (weights cast to bf16, and fp32 weights under bf16 autocast):
 speed, and teacher-forced next-token agreement with fp32 on the fp32 model's own greedy
 continuation (argmax of bf16 logits == argmax of fp32 logits at every generated position).
@@ -193,6 +199,43 @@ def bench_compiled(variant: GPT, eager_output: Tensor, fp32_ms: float, args: arg
     return dict(ms_per_token=ms, speedup_vs_fp32=fp32_ms / ms, token_agreement_with_eager=agree)
 
 
+def bench_quantized(model: GPT, bits: int, fp32_output: Tensor, fp32_ms: float, gen_fn: GenerateFn,
+                    args: argparse.Namespace) -> dict:
+    """A weight-only quantised copy of ``model`` on fp32's prompt: speed, bytes and agreement with fp32."""
+    from tokenloom.nn.quantized import QuantizationConfig, fitting_group_size, quantize_model
+
+    group = fitting_group_size(model) if bits == 4 else 128
+    variant = quantize_model(copy.deepcopy(model), QuantizationConfig(bits=bits, group_size=group)).eval()
+    n, ids = args.new_tokens, fp32_output[:, :PROMPT_LEN]
+    with torch.no_grad():
+        gen_fn(variant, ids, n)  # warm-up
+        [(seconds, _)] = timed([lambda: gen_fn(variant, ids, n)], args.repeats, ids.device)
+    tensors = {t.data_ptr(): t.numel() * t.element_size() for t in (*variant.parameters(), *variant.buffers())}
+    ms = 1000 * seconds / n
+    return dict(ms_per_token=ms, speedup_vs_fp32=fp32_ms / ms, weight_bytes=sum(tensors.values()),
+                teacher_forced_agreement=teacher_forced_agreement(model, variant, fp32_output, False))
+
+
+def bench_speculative(model: GPT, draft: GPT | None, ids: Tensor, fp32_output: Tensor, fp32_ms: float,
+                      args: argparse.Namespace) -> dict:
+    """Speculative greedy decoding of ``ids`` with the draft model or prompt lookup: speed, acceptance, and the
+    fraction of tokens equal to plain greedy decoding's (``fp32_output``; 1.0 expected)."""
+    from tokenloom.generation import DraftTally, GenerationConfig, generate
+
+    n = args.new_tokens
+    config = GenerationConfig(max_new_tokens=n, do_sample=False, num_draft_tokens=args.num_draft_tokens,
+                              prompt_lookup=args.prompt_lookup)
+    tally = DraftTally()
+    with torch.no_grad():
+        generate(model, ids, config, draft=draft)  # warm-up
+        [(seconds, out)] = timed([lambda: generate(model, ids, config, draft=draft, draft_tally=tally)],
+                                 args.repeats, ids.device)
+    ms = 1000 * seconds / n
+    same = (out[:, ids.shape[1]:] == fp32_output[:, ids.shape[1]:]).float().mean().item()
+    return dict(ms_per_token=ms, speedup_vs_fp32=fp32_ms / ms, acceptance=tally.acceptance_rate,
+                tokens_per_pass=tally.tokens_per_pass, token_agreement=same)
+
+
 def models(args: argparse.Namespace) -> list[tuple[str, Callable[[], GPT]]]:
     """(name, build) per model to measure: the GPT checkpoints or run directories given, else ``--shapes``
     with random weights."""
@@ -213,7 +256,12 @@ def models(args: argparse.Namespace) -> list[tuple[str, Callable[[], GPT]]]:
 
 def bench(args: argparse.Namespace) -> dict:
     gen_fn = tokenloom_generate(args.reference_loop)
-    rows, bf16_rows, compiled_rows = [], [], []
+    rows, bf16_rows, compiled_rows, extra_rows = [], [], [], []
+    draft = None
+    if args.draft is not None:
+        from tokenloom.checkpoint import load_model
+
+        draft = load_model(args.draft)[0].eval().to(choose_device(args.device).device)
     device = choose_device(args.device).device
     bandwidth = measure_bandwidth(device=device)
     print(f"memory bandwidth: {bandwidth / 1e9:.1f} GB/s ({device})", file=sys.stderr)
@@ -238,6 +286,21 @@ def bench(args: argparse.Namespace) -> dict:
                 row.update(weight_bytes=weight_bytes(model), bandwidth_bound_ms=1000 * bound,
                            tokenloom_over_bound=row["tokenloom_ms_per_token"] / (1000 * bound))
             rows.append(row)
+            for bits in args.quantized:
+                r = dict(shape=shape, batch_size=batch, variant=f"int{bits}",
+                         **bench_quantized(model, bits, ours, row["tokenloom_ms_per_token"], gen_fn, model_args))
+                extra_rows.append(r)
+                print(f"  {shape} b{batch} int{bits}: {r['ms_per_token']:.2f} ms/tok, "
+                      f"{r['weight_bytes'] / 1e6:.1f} MB, agreement {r['teacher_forced_agreement']:.4f}",
+                      file=sys.stderr, flush=True)
+            if draft is not None or args.prompt_lookup:
+                label = "draft model" if draft is not None else f"prompt lookup {args.prompt_lookup}"
+                r = dict(shape=shape, batch_size=batch, variant=f"{label}, k={args.num_draft_tokens}",
+                         **bench_speculative(model, draft, ours[:, :PROMPT_LEN], ours, row["tokenloom_ms_per_token"],
+                                             model_args))
+                extra_rows.append(r)
+                print(f"  {shape} b{batch} {r['variant']}: {r['ms_per_token']:.2f} ms/tok, acceptance "
+                      f"{r['acceptance']:.2f}, same tokens {r['token_agreement']:.4f}", file=sys.stderr, flush=True)
             for label, (variant, use_autocast) in variants.items():
                 r = dict(shape=shape, batch_size=batch, variant=label,
                          **bench_bf16(model, variant, use_autocast, ours, row["tokenloom_ms_per_token"],
@@ -258,7 +321,8 @@ def bench(args: argparse.Namespace) -> dict:
                     print(f"  {shape} b{batch} {label}: {r['ms_per_token']:.2f} ms/tok, tokens equal to eager "
                           f"{r['token_agreement_with_eager']:.4f}", file=sys.stderr, flush=True)
         del model, hf, variants
-    return dict(bandwidth_bytes_per_s=bandwidth, generate=rows, bf16=bf16_rows, compiled=compiled_rows)
+    return dict(bandwidth_bytes_per_s=bandwidth, generate=rows, bf16=bf16_rows, compiled=compiled_rows,
+                quantized_and_speculative=extra_rows)
 
 
 def print_tables(results: dict, reference_loop: bool) -> None:
@@ -284,6 +348,16 @@ def print_tables(results: dict, reference_loop: bool) -> None:
         for r in results["bf16"]:
             print(f"{r['shape']:<6} {r['batch_size']:>5} {r['variant']:<14} {r['ms_per_token']:>8.2f} "
                   f"{r['speedup_vs_fp32']:>7.2f}x {r['teacher_forced_agreement']:>10.4f}")
+    if results.get("quantized_and_speculative"):
+        print("\nweight-only quantised and speculative greedy decoding (agreement: teacher-forced with fp32 for int8 / "
+              "int4, tokens equal to plain greedy for speculative decoding)")
+        print(f"{'shape':<6} {'batch':>5} {'variant':<22} {'ms/tok':>8} {'vs fp32':>8} {'agreement':>10} "
+              f"{'MB / acceptance':>16}")
+        for r in results["quantized_and_speculative"]:
+            agree = r.get("teacher_forced_agreement", r.get("token_agreement"))
+            last = f"{r['weight_bytes'] / 1e6:.1f} MB" if "weight_bytes" in r else f"{r['acceptance']:.2f}"
+            print(f"{r['shape']:<6} {r['batch_size']:>5} {r['variant']:<22} {r['ms_per_token']:>8.2f} "
+                  f"{r['speedup_vs_fp32']:>7.2f}x {agree:>10.4f} {last:>16}")
     if results.get("compiled"):
         print("\ntokenloom generate(compile=True) (tokens equal to eager decoding with the same weights; compiled in "
               "an untimed warm-up)")
@@ -307,6 +381,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--bf16", action="store_true", help="also time tokenloom in bf16 and check agreement")
     parser.add_argument("--compile", action="store_true",
                         help="also time generate(compile=True) (fp32, and bf16 with --bf16)")
+    parser.add_argument("--precision", default="", metavar="LIST",
+                        help="also time weight-only quantised copies: comma-separated from int8, int4")
+    parser.add_argument("--draft", default=None, metavar="RUN",
+                        help="also time speculative greedy decoding with this draft model (same vocabulary)")
+    parser.add_argument("--prompt-lookup", type=int, default=0, metavar="N",
+                        help="also time speculative greedy decoding with prompt lookup (n-grams up to N)")
+    parser.add_argument("--num-draft-tokens", type=int, default=4, metavar="K", help="draft tokens per pass")
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)),
                         help="torch.set_num_threads (default: all cores)")
     parser.add_argument("--seed", type=int, default=0)
@@ -318,6 +399,14 @@ def main(argv: list[str] | None = None) -> None:
     for shape in args.shapes.split(","):
         if shape not in SHAPES:
             parser.error(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    wanted = [p for p in args.precision.split(",") if p]
+    if any(p not in ("int8", "int4") for p in wanted):
+        parser.error(f"--precision takes int8 and int4 (fp32 is always measured), got {args.precision!r}")
+    args.quantized = [int(p[3:]) for p in wanted]
+    if args.draft is not None and args.prompt_lookup:
+        parser.error("--draft and --prompt-lookup are two drafters: give one")
+    if args.num_draft_tokens < 1:
+        parser.error(f"--num-draft-tokens must be >= 1, got {args.num_draft_tokens}")
     torch.set_num_threads(args.threads)
     import transformers
 

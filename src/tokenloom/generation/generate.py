@@ -50,7 +50,7 @@ from .config import GenerationConfig
 from .drafting import Drafter
 from .early_exit import EarlyExit, ExitTally
 from .processors import create_processors
-from .requests import StopStrings, Tokenizer, check_prompt, prompt_rows
+from .requests import StopStrings, Tokenizer, check_prompt, check_sampling_request, prompt_rows
 from .speculative import DraftTally, SpeculativeDecoding, create_drafter
 
 
@@ -123,12 +123,7 @@ class _Decoding:
         if config.num_beams > 1:
             raise GenerationError(f"num_beams={config.num_beams}: beam search cannot stream (its best hypothesis "
                                   "is known only at the end); use generate() or beam_search()")
-        if config.no_repeat_ngram_size:
-            raise GenerationError(f"no_repeat_ngram_size={config.no_repeat_ngram_size} applies to beam search only "
-                                  "(num_beams > 1, or beam_search() with num_beams=1)")
-        if config.stop_strings and tokenizer is None:
-            raise GenerationError("stop_strings need a tokenizer (an object with .decode(ids) -> str) to "
-                                  "read the generated text")
+        check_sampling_request(config, tokenizer)
         n = config.max_new_tokens
         mask = check_prompt(model, input_ids, attention_mask, n)
         B, T = input_ids.shape

@@ -35,6 +35,17 @@ def check_attention_mask(input_ids: Tensor, attention_mask: Tensor | None) -> Te
     return mask
 
 
+def check_sampling_request(config, tokenizer: Tokenizer | None) -> None:
+    """The checks of a one-token-at-a-time request (plain and speculative decoding): no beam-search-only setting, and
+    a tokenizer where stop strings must be read. ``config`` is a :class:`~.config.GenerationConfig`."""
+    if config.no_repeat_ngram_size:
+        raise GenerationError(f"no_repeat_ngram_size={config.no_repeat_ngram_size} applies to beam search only "
+                              "(num_beams > 1, or beam_search() with num_beams=1)")
+    if config.stop_strings and tokenizer is None:
+        raise GenerationError("stop_strings need a tokenizer (an object with .decode(ids) -> str) to "
+                              "read the generated text")
+
+
 def check_prompt(model: nn.Module, input_ids: Tensor, attention_mask: Tensor | None,
                  max_new_tokens: int) -> Tensor | None:
     """The request checks every decoding shares (generate, stream, beam search): ``input_ids`` a non-empty (B, T)

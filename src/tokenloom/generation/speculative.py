@@ -48,7 +48,7 @@ from .choose import limit_vocabulary, vocabulary_limit
 from .config import GenerationConfig
 from .drafting import Drafter, DraftRun, ModelDrafter, PromptLookup, create_rows, model_vocab
 from .processors import create_processors
-from .requests import StopStrings, Tokenizer, check_prompt, prompt_rows
+from .requests import StopStrings, Tokenizer, check_prompt, check_sampling_request, prompt_rows
 
 
 @dataclass
@@ -139,12 +139,7 @@ class SpeculativeDecoding:
         conflict = config.speculative_conflict()
         if conflict is not None:
             raise GenerationError(conflict)
-        if config.no_repeat_ngram_size:
-            raise GenerationError(f"no_repeat_ngram_size={config.no_repeat_ngram_size} applies to beam search only "
-                                  "(num_beams > 1, or beam_search() with num_beams=1)")
-        if config.stop_strings and tokenizer is None:
-            raise GenerationError("stop_strings need a tokenizer (an object with .decode(ids) -> str) to "
-                                  "read the generated text")
+        check_sampling_request(config, tokenizer)
         n = config.max_new_tokens
         mask = check_prompt(model, input_ids, attention_mask, n)
         B, T = input_ids.shape
