@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
                 rows.append(compare("prompt lookup, open-ended sampling (T 0.8)", model, prompts, sampled,
                                     lambda: PromptLookup(args.lookup), args.repeats, exact=False))
         if "echo" in only:
-            echoes, echo_len = [], min(args.new_tokens, 80)  # prompt + continuation + prompt + its echo fit 256
+            echoes, echo_len = [], min(args.new_tokens, 60)  # prompt + continuation + prompt + its echo fit 256
             for ids in prompts:
                 continued = generate(model, ids, GenerationConfig(max_new_tokens=echo_len, do_sample=False))
                 echoes.append(torch.cat([continued, tokenizer_ids(tokenizer, "\n\n"), ids], dim=1))
