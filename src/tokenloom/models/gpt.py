@@ -265,7 +265,8 @@ class GPT(CountsParameters, nn.Module):
             relatives = [position.relative(i, q_index) for i in range(len(self.blocks))]
         if steps is not None and T == 1:  # (B, C): the step functions take one position per row
             mask, rope = ctx.mask, ctx.rope
-            return x.view(B, -1), [Context(mask, False, rope, layer, ragged=span.ragged, relative=relative)
+            return x.view(B, -1), [Context(mask, False, rope, layer, ragged=span.ragged, band=ctx.band,
+                                                   relative=relative)
                                    for layer, relative in zip(layers, relatives, strict=True)]
         return x, [ctx._replace(cache=layer, relative=relative)
                    for layer, relative in zip(layers, relatives, strict=True)]

@@ -222,7 +222,7 @@ class UniversalTransformer(CountsParameters, nn.Module):
             block = steps.blocks[0]
 
             def run(h: Tensor, layer) -> tuple[Tensor, None]:
-                return block(h, Context(ctx.mask, False, ctx.rope, layer, ragged=span.ragged)), None
+                return block(h, Context(ctx.mask, False, ctx.rope, layer, ragged=span.ragged, band=ctx.band)), None
         else:
             def run(h: Tensor, layer) -> tuple[Tensor, Tensor | None]:
                 return self.block(h, ctx._replace(cache=layer), need_weights=need_weights)

@@ -229,7 +229,8 @@ class Context(NamedTuple):
     memory: LayerCache | None = None  # cross-attention: the memory's keys and values (a MemoryLayer)
     memory_mask: Tensor | None = None  # cross-attention: the memory's additive mask (Bm, 1, 1, S)
     ragged: bool = False  # rows at different lengths, one query each (KeySpan.ragged): sdpa as ragged_rows_attention
-    band: Band | None = None  # sliding-window attention over the whole sequence, block-wise (instead of ``mask``)
+    band: Band | None = None  # block-wise attention instead of ``mask``: a sliding window over the whole sequence
+    #   (:class:`~.sliding.Band`), or a paged cache's groups of rows (:class:`~.paged.PagedLayout`)
     relative: Relative | None = None  # this layer's query-dependent position term (Position.relative: XL)
 
 

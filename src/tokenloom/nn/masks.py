@@ -50,7 +50,8 @@ class KeySpan(NamedTuple):
     one-query kernel (:class:`~.attention.Context`). A strategy whose keys are not in position order (the rolling
     ring of sliding-window attention) gives their ``key_positions`` (B|1, S), and ``windowed`` when it holds only
     keys inside the queries' window (nothing left for the window to hide). ``extent``: one past the last column
-    written, where the strategy knows it as a number (dense, rolling): the model checks it against its context."""
+    written, where the strategy knows it as a number (dense, rolling): the model checks it against its context.
+    ``layout``: a strategy that runs attention itself over its own storage (the paged cache's groups of rows)."""
 
     past: int | None
     keys: int
@@ -60,6 +61,7 @@ class KeySpan(NamedTuple):
     windowed: bool = False
     key_positions: Tensor | None = None
     extent: int | None = None
+    layout: object = None  # a paged cache's attention plan (:class:`~.paged.PagedLayout`): it attends itself
 
 
 def sequence_span(length: int, valid: Tensor | None = None) -> KeySpan:

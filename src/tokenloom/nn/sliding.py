@@ -182,6 +182,9 @@ def plan_attention(span: KeySpan, T: int, *, causal: bool, window: Window | None
     ``need_weights``), a :class:`Band` where :meth:`Band.plan` gives one (mask None); otherwise the dense mask of
     :func:`~.masks.attention_mask` (band None). A ``causal`` model with a bidirectional window stays dense (the
     band does not add causality)."""
+    if span.layout is not None:  # a paged cache: its groups of rows, each with its own mask from the one builder
+        return None, False, span.layout.plan(causal=causal, window=window, position=position, dtype=dtype,
+                                             device=device)
     if window is not None and banded and span.past == 0 and (window.causal or not causal):
         band = Band.plan(window, T, valid=span.valid, position=position, dtype=dtype, device=device)
         if band is not None:

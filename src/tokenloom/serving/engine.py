@@ -50,6 +50,11 @@ from ..nn.kv_cache import KVCache
 from .speculation import Speculator, accept
 
 
+TokenLogprob = tuple[int, float, list[tuple[int, float]]]  # (token id, its log-probability, the k likeliest
+#   (id, log-probability) pairs): log_softmax of the model's float32 logits (the vocabulary limited), before any
+#   sampling setting (temperature, penalties, logit_bias) changes them
+
+
 class QueueFull(Exception):
     """The engine's queue of waiting requests is full (HTTP 429)."""
 
@@ -64,9 +69,19 @@ class Request:
     deadline: float | None = None  # time.monotonic() after which it ends with a timeout error
     stop_strings: list[str] = field(default_factory=list)
     speculative: bool = True  # drafts when the engine has a drafter (False: plain decoding)
+    logprobs: int | None = None  # None: none; k >= 0: each new token's log-probability and its k likeliest
+    #   alternatives (token_logprobs)
+    echo: bool = False  # also the prompt tokens' log-probabilities (prompt_logprobs): its prefill reads no cached prefix
+    score_only: bool = False  # prefill only (echo with max_tokens 0): ends "length" with no new token
+    siblings: list[Request] = field(default_factory=list)  # the other samples (n > 1) of the same prompt and
+    #   settings but their seeds: the engine prefills the prompt once and forks its blocks; submit only this one
     cancelled: bool = False
     # filled in by the engine
     new_ids: list[int] = field(default_factory=list)
+    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new id (with ``logprobs``)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per prompt id, the first None
+    #   (with ``echo``)
+    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
     sent_chars: int = 0  # characters of the new text already emitted
     submitted: float = field(default_factory=time.monotonic)
     first_token_at: float | None = None

@@ -1,0 +1,188 @@
+"""The paged strategy: keys and values in a pool of fixed-size blocks, each sequence a table of block ids (vLLM's
+PagedAttention, Kwon et al. 2023), for a server that packs requests of any length into one memory budget.
+
+* :class:`PagedKVCache` holds the pool: per layer (Hkv, num_blocks, block_size, D) keys and values, in one
+  (L, 2, Hkv, N, bs, D) tensor. It knows nothing of which block belongs to whom: the server's allocator
+  (:mod:`tokenloom.serving.blocks`) does, and hands each call its rows' block tables.
+* :class:`PagedView` is one call's cache strategy (the :class:`~.kv_cache.DecodeCache` protocol): the call's (B, T)
+  tokens, flattened in row order, are split into *segments*, one per sequence: segment r holds ``counts[r]``
+  consecutive tokens, written at columns ``lengths[r] .. lengths[r] + counts[r] - 1`` of the sequence whose blocks
+  are ``tables[r]``. Decode steps are (A, 1) calls of one-token segments, a speculative verification (A, T) calls
+  of T-token segments, a chunked prefill mixed with decode rows a (1, N) call whose segments are the prompts' chunks
+  and the running rows' newest tokens: the linear layers then run over exactly the tokens of the step.
+* Attention (:class:`PagedLayout`, planned once per forward and shared by every layer): the segments are grouped by
+  their token count, and each group attends as one batch: its sequences' blocks gathered into (G, Hkv, S, D) (one
+  copy of the keys a step reads; measured against block-wise attention in ``benchmarks/bench_serve.py``), the mask
+  from the one builder :func:`~.masks.attention_mask` (causal over each row's own columns, with the position
+  scheme's score bias and a sliding window where the model has them), the one-query kernel for one-token groups.
+
+A sequence's positions are its columns (a server's requests are never left-padded), so the rotary angles and
+learned positions come from the ``positions`` the caller gives as they would for a dense cache. Columns a call
+writes past what its sequence keeps (a speculative row's padded drafts) are never seen (causal) and overwritten later.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .attention import ragged_rows_attention, sdpa_attention
+from .masks import KeySpan, attention_mask
+
+
+class PagedKVCache:
+    """A pool of ``num_blocks`` blocks of ``block_size`` positions for every layer's keys and values."""
+
+    def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
+                 dtype: torch.dtype = torch.float32, device: torch.device | str | None = None) -> None:
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"a paged cache needs num_blocks >= 1 and block_size >= 1, got {num_blocks} and "
+                             f"{block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.pool = torch.zeros((num_layers, 2, num_kv_heads, num_blocks, block_size, head_dim), dtype=dtype,
+                                device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.pool.numel() * self.pool.element_size()
+
+    def copy_block(self, dst: int, src: int, n: int | None = None) -> None:
+        """Copy the first ``n`` positions (all by default) of block ``src`` into block ``dst`` in every layer
+        (copy-on-write of a shared partial block)."""
+        n = self.block_size if n is None else n
+        self.pool[:, :, :, dst, :n] = self.pool[:, :, :, src, :n]
+
+    def view(self, tables: Tensor, lengths: Tensor, counts: Tensor | None = None) -> PagedView:
+        """The strategy of one call over R sequences: ``tables`` (R, nb) long block ids (a row's entries past its
+        blocks: any valid id), ``lengths`` (R,) columns already written, ``counts`` (R,) the call's tokens of each
+        (None: the call's T for every row, its input (R, T))."""
+        return PagedView(self, tables, lengths, counts)
+
+
+class PagedLayer:
+    """One layer of a :class:`PagedView`: writes the call's tokens into their blocks; attention reads the pool
+    through the view's :class:`PagedLayout` (the returned pools)."""
+
+    __slots__ = ("k", "v", "owner")
+
+    def __init__(self, k: Tensor, v: Tensor, owner: PagedView) -> None:
+        self.k, self.v, self.owner = k, v, owner  # (Hkv, num_blocks, bs, D)
+
+    def update(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        B, Hkv, T, D = k.shape
+        blocks, offsets = self.owner.slots
+        self.k[:, blocks, offsets] = k.transpose(0, 1).reshape(Hkv, B * T, D)
+        self.v[:, blocks, offsets] = v.transpose(0, 1).reshape(Hkv, B * T, D)
+        return self.k, self.v
+
+
+class PagedView:
+    """The paged strategy for one call: see the module docstring. ``span`` plans the attention (a
+    :class:`PagedLayout` in :attr:`KeySpan.layout`); the caller advances its own lengths."""
+
+    plain = True
+
+    def __init__(self, cache: PagedKVCache, tables: Tensor, lengths: Tensor, counts: Tensor | None) -> None:
+        self.cache, self.tables, self.lengths, self.counts = cache, tables, lengths, counts
+        pool = cache.pool
+        self.layers = [PagedLayer(pool[i, 0], pool[i, 1], self) for i in range(pool.shape[0])]
+        self.slots: tuple[Tensor, Tensor] | None = None
+
+    @property
+    def batch_size(self) -> int:
+        return int(self.tables.shape[0])
+
+    def span(self, T: int, attention_mask: Tensor | None) -> KeySpan:
+        """``T`` tokens per input row; the segments as the view was given them. Padding is not taken (a server's
+        sequences are not padded): ``attention_mask`` must be None."""
+        if attention_mask is not None:
+            raise ValueError("a paged cache takes no attention_mask: its sequences are not padded")
+        R, device = self.tables.shape[0], self.tables.device
+        counts = self.counts if self.counts is not None else torch.full((R,), T, dtype=torch.long, device=device)
+        layout = PagedLayout(self, counts)
+        self.slots = layout.slots
+        return KeySpan(None, layout.keys, layout.columns.view(-1, T), None, layout=layout)
+
+    def advance(self, n: int) -> None:
+        """Nothing: the caller owns ``lengths``."""
+
+
+class PagedLayout:
+    """One forward's attention over a :class:`PagedView`: the segments grouped by token count, each group's block
+    tables, key count and mask (the masks built by :meth:`plan`, once, for every layer); :meth:`attend` runs each
+    group and puts its outputs back in token order."""
+
+    def __init__(self, view: PagedView, counts: Tensor) -> None:
+        bs = view.cache.block_size
+        device = counts.device
+        lengths = view.lengths
+        starts = torch.cumsum(counts, 0) - counts  # (R,) each segment's first flat token
+        N = int(counts.sum())
+        row = torch.repeat_interleave(torch.arange(counts.numel(), device=device), counts, output_size=N)  # (N,)
+        offset = torch.arange(N, device=device) - starts[row]
+        self.columns = lengths[row] + offset  # (N,) each token's column in its sequence
+        self.slots = (view.tables[row, self.columns // bs], self.columns % bs)
+        self.keys = int((lengths + counts).max())
+        self.groups: list[_Group] = []
+        listed = counts.tolist()
+        sizes = sorted(set(listed))
+        whole = len(sizes) == 1  # every segment the same size: the groups' tokens are the call's, in order
+        for n in sizes:
+            rows = torch.arange(len(listed), device=device) if whole else \
+                torch.tensor([r for r, c in enumerate(listed) if c == n], device=device)
+            ends = lengths[rows] + n  # (G,) each row's keys after the call
+            S = int(ends.max())
+            nb = -(-S // bs)
+            queries = lengths[rows][:, None] + torch.arange(n, device=device)  # (G, n) the queries' columns
+            tokens = None if whole else (starts[rows][:, None] + torch.arange(n, device=device)).view(-1)
+            self.groups.append(_Group(n, view.tables[rows, :nb], S, queries, tokens))
+        self.N = N
+
+    def plan(self, *, causal: bool, window, position, dtype: torch.dtype, device: torch.device) -> PagedLayout:
+        """Each group's mask from the one builder (causal over its rows' own columns, a score bias, a window)."""
+        for g in self.groups:
+            span = KeySpan(None, g.keys, g.queries, None)
+            g.mask, _ = attention_mask(span, g.n, causal=causal, position=position, window=window, dtype=dtype,
+                                       device=device)
+        return self
+
+    def attend(self, backend, q: Tensor, k: Tensor, v: Tensor, dropout: float) -> Tensor:
+        """``q`` (B, H, T, D) of the call's tokens, ``k``/``v`` a layer's pools (Hkv, num_blocks, bs, D) -> the
+        (B, H, T, D) attention output."""
+        B, H, T, D = q.shape
+        Hkv = k.shape[0]
+        if len(self.groups) == 1 and self.groups[0].tokens is None and self.groups[0].n == T:
+            return self._group(backend, self.groups[0], q, k, v, dropout)
+        flat = q.transpose(1, 2).reshape(B * T, H, D)
+        out = flat.new_empty(B * T, H, D)
+        for g in self.groups:
+            index = g.tokens if g.tokens is not None else slice(None)
+            qg = flat[index].view(-1, g.n, H, D).transpose(1, 2)  # (G, H, n, D)
+            og = self._group(backend, g, qg, k, v, dropout)
+            out[index] = og.transpose(1, 2).reshape(-1, H, D)
+        del Hkv
+        return out.view(B, T, H, D).transpose(1, 2)
+
+    @staticmethod
+    def _group(backend, g: _Group, q: Tensor, k: Tensor, v: Tensor, dropout: float) -> Tensor:
+        """One group's attention: its rows' blocks gathered into (G, Hkv, S, D)."""
+        G, nb = g.tables.shape
+        Hkv, _, bs, D = k.shape
+        keys = k[:, g.tables].view(Hkv, G, nb * bs, D).transpose(0, 1)[:, :, :g.keys]  # (G, Hkv, S, D)
+        values = v[:, g.tables].view(Hkv, G, nb * bs, D).transpose(0, 1)[:, :, :g.keys]
+        if g.n == 1 and backend is sdpa_attention:
+            backend = ragged_rows_attention
+        out, _ = backend(q, keys, values, g.mask, False, dropout, False)
+        return out
+
+
+class _Group:
+    """Segments of ``n`` tokens each: ``tables`` (G, nb) their blocks, ``keys`` the most keys any attends over,
+    ``queries`` (G, n) the queries' columns, ``tokens`` (G * n,) their flat indices in the call (None: the call's
+    tokens in order), ``mask`` filled by :meth:`PagedLayout.plan`."""
+
+    __slots__ = ("n", "tables", "keys", "queries", "tokens", "mask")
+
+    def __init__(self, n: int, tables: Tensor, keys: int, queries: Tensor, tokens: Tensor | None) -> None:
+        self.n, self.tables, self.keys, self.queries, self.tokens = n, tables, keys, queries, tokens
+        self.mask: Tensor | None = None
