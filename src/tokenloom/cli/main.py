@@ -431,6 +431,14 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    help="let web pages of ORIGIN (scheme://host[:port], or '*') call the API from the browser "
                         "(repeatable); default: CORS off, no page of another origin may read an answer")
     p.add_argument("--max-batch", type=int, default=16, help="requests decoded together (default 16)")
+    p.add_argument("--block-size", type=int, default=16, help="positions per block of the paged KV cache "
+                   "(default 16; the model's context: one slot per request)")
+    p.add_argument("--kv-blocks", type=int, default=None, help="blocks in the paged KV cache: its memory budget "
+                   "(default: as many positions as --max-batch full contexts)")
+    p.add_argument("--no-prefix-caching", dest="prefix_caching", action="store_false",
+                   help="do not reuse the cached blocks of prompts' common prefixes")
+    p.add_argument("--prefill-tokens", type=int, default=512, help="tokens a step runs at most: the running "
+                   "requests' next tokens and chunks of prompts being prefilled (default 512)")
     p.add_argument("--max-queue", type=int, default=64, help="requests waiting before 429 (default 64)")
     p.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens a request may ask")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")

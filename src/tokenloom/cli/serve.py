@@ -38,9 +38,11 @@ def serve(args: argparse.Namespace) -> int:
                          max_tokens=args.max_tokens, max_body_bytes=args.max_body_bytes,
                          request_timeout=args.request_timeout, host=args.host,
                          allowed_hosts=_listed(args.allowed_hosts), cors_origins=_listed(args.cors_origin),
-                         prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
+                         prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens,
+                         block_size=args.block_size, kv_blocks=args.kv_blocks, prefix_caching=args.prefix_caching,
+                         prefill_tokens=args.prefill_tokens)
     if family == "gpt":
-        _check_cache_budget(ckpt, args.max_batch, args.precision)  # before the model loads
+        _check_cache_budget(ckpt, config, args.precision)  # before the model loads
     # the flags are checked (above) before the model loads
     model, _ = load_inference_model(ckpt, args.precision, args.device)
     tokenizer = load_tokenizer(ckpt)
@@ -86,10 +88,11 @@ def _load_draft(args: argparse.Namespace, tokenizer):  # noqa: ANN202 - a model 
     return draft
 
 
-def _check_cache_budget(ckpt, max_batch: int, precision: str) -> None:  # noqa: ANN001 - a Path
-    """The engine preallocates every layer's keys and values for ``--max-batch`` rows of the model's whole context
-    (:class:`tokenloom.serving.engine.Engine`): refuse a cache that cannot fit in memory in one line, before the
-    model loads (:mod:`tokenloom.budget`). ``--precision auto`` counts 2 bytes a value (bf16, the smaller choice)."""
+def _check_cache_budget(ckpt, config, precision: str) -> None:  # noqa: ANN001 - a Path and a ServeConfig
+    """The engine preallocates its paged KV cache: ``--kv-blocks`` blocks of ``--block-size`` positions (default: as
+    many positions as ``--max-batch`` rows of the model's whole context; :class:`tokenloom.serving.engine.Engine`):
+    refuse a cache that cannot fit in memory in one line, before the model loads (:mod:`tokenloom.budget`).
+    ``--precision auto`` counts 2 bytes a value (bf16, the smaller choice)."""
     from ..errors import TokenloomError
     from ..models.factory import model_config_from_dict
     from ..models.sizes import check_kv_cache
@@ -98,8 +101,14 @@ def _check_cache_budget(ckpt, max_batch: int, precision: str) -> None:  # noqa: 
         _, model_config = model_config_from_dict(read_config(ckpt).get("model") or {})
     except TokenloomError:
         return  # a broken config: loading the model says what is wrong with it
-    check_kv_cache(model_config, max_batch, model_config.max_seq_len, 4 if precision == "fp32" else 2,
-                   f"--max-batch {max_batch}", error=ConfigError)
+    bs = config.block_size
+    if config.kv_blocks is None:
+        rows, what = config.max_batch, f"--max-batch {config.max_batch}"
+        positions = -(-model_config.max_seq_len // bs) * bs
+    else:
+        rows, what = 1, f"--kv-blocks {config.kv_blocks}"
+        positions = config.kv_blocks * bs
+    check_kv_cache(model_config, rows, positions, 4 if precision == "fp32" else 2, what, error=ConfigError)
 
 
 def _listed(values: list[str] | None) -> tuple[str, ...]:

@@ -28,12 +28,21 @@ class ServeConfig:
     # is given to create_app), and the tokens drafted per verification pass
     prompt_lookup: int = 0
     num_draft_tokens: int = 4
+    # the paged KV cache (tokenloom.serving.engine): positions per block, blocks in all (None: as many positions as
+    # max_batch full contexts), whether prompts reuse cached blocks, and the tokens one step runs at most
+    block_size: int = 16  # positions per block
+    kv_blocks: int | None = None  # blocks in the pool; None: max_batch x the context's blocks
+    prefix_caching: bool = True  # reuse the cached blocks of a prompt's prefix
+    prefill_tokens: int = 512  # tokens a step runs at most: decode tokens and prompt chunks together
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue", "max_tokens", "max_body_bytes", "max_prompts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {getattr(self, name)}")
-        for name, low in (("prompt_lookup", 0), ("num_draft_tokens", 1)):
+        for name, low in (("prompt_lookup", 0), ("num_draft_tokens", 1), ("block_size", 1), ("prefill_tokens", 1),
+                          ("kv_blocks", 1)):
+            if name == "kv_blocks" and self.kv_blocks is None:
+                continue
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= {low}, got {value!r}")

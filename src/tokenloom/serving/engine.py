@@ -1,27 +1,38 @@
-"""Continuous batching for a causal language model: one engine thread, requests joining and leaving the running
-batch between decode steps, over a slot-based preallocated KV cache.
+"""Continuous batching for a causal language model over a paged KV cache: one engine thread, requests joining and
+leaving the running batch between steps, prompts prefilled in chunks beside the running rows' decode tokens.
 
-* The cache holds ``max_batch`` rows of the model's full context, per layer (B, Hkv, M, D) keys and values. The
-  running requests occupy rows ``0 .. A-1`` (kept contiguous: a finished request's row takes the last row's
-  contents), so a decode step runs on views of the first A rows, at each row's own length: the model's own
-  forward over the ragged cache strategy (:meth:`tokenloom.nn.KVCache.ragged`). The engine talks to the model
-  through the decoding protocol only (``create_cache(..., rolling=False)``: the dense strategy, whose ragged
-  view it needs, also for a sliding-window model, whose mask then hides the keys outside the window;
-  ``__call__(ids, positions=, cache=)``,
-  ``config.max_seq_len`` / ``vocab_size``), so it serves every causal family.
-* A new request is prefilled alone (its prompt through the model with its own small cache, copied into a free
-  row) between two decode steps; its first token comes from the prefill.
+* **Paged cache** (:mod:`tokenloom.nn.paged`): keys and values live in a pool of ``kv_blocks`` blocks of
+  ``block_size`` positions; each running request holds a table of block ids, taken as it grows
+  (:class:`~tokenloom.serving.blocks.BlockManager`). A request is admitted when the free blocks cover its prompt
+  (not when a context-long slot is free), so short requests pack densely; ``block_size`` equal to the context
+  and no prefix caching is the slot-based cache of one context-long row per request.
+* **Prefix caching**: a full block is registered under the hash of every token up to its end; a new request reuses
+  the longest run of cached blocks of its prompt and prefills only the rest (``Request.cached_tokens``).
+  Unreferenced cached blocks stay until the allocator needs them (least recently used first).
+* **Chunked, batched prefill**: each step runs, in one forward over the paged strategy, every decoding row's newest
+  token and chunks of the prompts being prefilled, up to ``prefill_tokens`` tokens per step in all, several
+  prompts at once; a prompt's first token comes from the step that prefills its last chunk.
+* **n samples** (``Request.siblings``): the prompt is prefilled once; the siblings fork its blocks (shared, a
+  shared partial block copied on its first write).
+* **Preemption by recompute**: when a step needs a block and none is free, the most recently admitted other
+  request gives its blocks back and waits at the head of the queue; it is prefilled again (its prompt and the tokens
+  it had produced) and continues where it was, its output unchanged.
 * Each request samples with its own settings and seeded generator (greedy = argmax), exactly as
   :func:`tokenloom.generation.generate` does for one prompt, so greedy output equals offline generation.
+  ``logprobs`` / ``echo`` fill :attr:`Request.token_logprobs` / :attr:`Request.prompt_logprobs` from the model's
+  float32 log-softmax.
 * Stop conditions per request: EOS, a stop string (the text is cut before it, as OpenAI does), ``max_tokens``,
-  the context full, a deadline (``timeout``), or cancellation (a client that went away): its row is freed
+  the context full, a deadline (``timeout``), or cancellation (a client that went away): its blocks are released
   before the next step.
 * The queue of waiting requests is bounded: :meth:`Engine.submit` raises :class:`QueueFull` when it is full.
-* Speculative decoding (``draft=``: a :class:`~tokenloom.generation.drafting.PromptLookup` or a draft model): the
-  requests that opted in (``Request.speculative``, the default) get drafts, and one pass of T positions per row
-  verifies them, each row advancing by the tokens it kept (:mod:`tokenloom.serving.speculation`); a step without
-  drafts is a plain one. Greedy output stays the plain output; the stop conditions cut a multi-token advance where
-  one-by-one decoding would have stopped.
+* Speculative decoding (``draft=``: a :class:`~tokenloom.generation.drafting.PromptLookup` or a draft model): in a
+  step with no prompt to prefill, the requests that opted in (``Request.speculative``, the default) get drafts and
+  one pass of T positions per row verifies them, each row advancing by the tokens it kept
+  (:mod:`tokenloom.serving.speculation`). Greedy output stays the plain output.
+
+The engine talks to the model through the decoding protocol only (``create_cache(1, 1, rolling=False)`` for the
+layout of its keys and values, ``forward_features(ids, positions=, cache=)``, ``forward_head``, ``config.max_seq_len``
+/ ``vocab_size``), so it serves every causal family with a key/value cache.
 
 Events reach the caller through ``request.emit(event)``, called on the engine thread, or, with a ``dispatch``
 function, handed over once per step as a list of ``(emit, event)`` pairs (a server's event loop calls them):
@@ -34,6 +45,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -47,8 +59,9 @@ from ..generation.config import GenerationConfig
 from ..generation.processors import create_processors
 from ..models.sizes import check_kv_cache
 from ..nn.kv_cache import KVCache
+from ..nn.paged import PagedKVCache
+from .blocks import BlockManager, NoFreeBlocks
 from .speculation import Speculator, accept
-
 
 TokenLogprob = tuple[int, float, list[tuple[int, float]]]  # (token id, its log-probability, the k likeliest
 #   (id, log-probability) pairs): log_softmax of the model's float32 logits (the vocabulary limited), before any
@@ -71,7 +84,7 @@ class Request:
     speculative: bool = True  # drafts when the engine has a drafter (False: plain decoding)
     logprobs: int | None = None  # None: none; k >= 0: each new token's log-probability and its k likeliest
     #   alternatives (token_logprobs)
-    echo: bool = False  # also the prompt tokens' log-probabilities (prompt_logprobs): its prefill reads no cached prefix
+    echo: bool = False  # also the prompt tokens' log-probabilities (prompt_logprobs): no cached prefix is read
     score_only: bool = False  # prefill only (echo with max_tokens 0): ends "length" with no new token
     siblings: list[Request] = field(default_factory=list)  # the other samples (n > 1) of the same prompt and
     #   settings but their seeds: the engine prefills the prompt once and forks its blocks; submit only this one
@@ -94,46 +107,71 @@ class Request:
         self.cancelled = True
 
 
-@dataclass
+
+
+@dataclass(eq=False)
 class _Slot:
     request: Request
     processors: object
     generator: torch.Generator | None
-    last: int  # the last token, fed at the next step
+    feed: list[int]  # the tokens to prefill: the prompt (after a preemption, also the tokens produced but the newest)
+    order: int = 0  # admission order: a preemption takes the newest
+    last: int = -1  # the newest token, fed at the next step (-1 while prefilling)
+    table: list[int] = field(default_factory=list)  # its blocks, in column order
+    length: int = 0  # columns cached
+    registered: int = 0  # leading full blocks registered in (or taken from) the prefix cache
+    resumed: bool = False  # prefilling again after a preemption: its next token is known already
     speculative: bool = False  # it gets drafts
     draft_state: object = None  # its drafter's own state (a prompt-lookup table)
 
+    @property
+    def prefilling(self) -> bool:
+        return self.length < len(self.feed)
+
 
 class Engine:
-    """Continuous batching over ``model`` (a GPT in eval mode) and ``tokenizer``; see the module docstring."""
+    """Continuous batching over ``model`` (a causal LM in eval mode) and ``tokenizer``; see the module docstring.
+
+    ``max_batch``: running requests at most; ``block_size``, ``kv_blocks``: the paged cache (default: as many
+    positions as ``max_batch`` full contexts); ``prefix_caching``: reuse cached prompt blocks; ``prefill_tokens``:
+    tokens a step runs at most (decode tokens and prompt chunks together; a prompt chunk gets at least a block)."""
 
     def __init__(self, model, tokenizer, max_batch: int = 16, max_queue: int = 64,
                  on_step: Callable[[int, int], None] | None = None,
                  dispatch: Callable[[list[tuple[Callable, tuple]]], None] | None = None,
                  draft=None, num_draft_tokens: int = 4,  # noqa: ANN001 - a draft model or a PromptLookup
-                 on_draft: Callable[[int, int], None] | None = None) -> None:
+                 on_draft: Callable[[int, int], None] | None = None, *, block_size: int = 16,
+                 kv_blocks: int | None = None, prefix_caching: bool = True, prefill_tokens: int = 512) -> None:
         self.model, self.tokenizer = model, tokenizer
         self.max_batch, self.max_len = max_batch, model.config.max_seq_len
         c = model.config
         if getattr(c, "memory_len", 0):
             raise ConfigError(f"a Transformer-XL model (memory_len={c.memory_len}) cannot be served: its memory "
                               "follows one stream of segments, not a batch of independent requests")
-        # every layer's keys and values for max_batch rows of the full context, refused in one line when it cannot
-        # fit in memory (tokenloom.budget)
-        element = next(model.parameters()).element_size()
-        check_kv_cache(c, max_batch, self.max_len, element, f"max_batch={max_batch}", error=ConfigError)
+        for name, value in (("block_size", block_size), ("prefill_tokens", prefill_tokens),
+                            ("kv_blocks", 1 if kv_blocks is None else kv_blocks)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be an integer >= 1, got {value!r}")
+        probe = model.create_cache(1, 1, rolling=False)  # the layout of the model's keys and values
+        if not isinstance(probe, KVCache):  # continuous batching pages the keys and values of a dense cache
+            raise ConfigError(f"{type(model).__name__} models cannot be served: continuous batching needs a key/value "
+                              f"cache, and they decode over a {type(probe).__name__} (use tokenloom generate)")
         self.vocab_limit = vocabulary_limit(tokenizer, c.vocab_size)
         self.speculator = None if draft is None else \
             Speculator(draft, num_draft_tokens, model, max_batch, self.vocab_limit)
         extra = 0 if self.speculator is None else self.speculator.extra_columns  # a verification's padded positions
-        self.cache = model.create_cache(max_batch, self.max_len + extra, rolling=False)
-        if not isinstance(self.cache, KVCache):  # continuous batching moves rows of a dense key/value cache
-            raise ConfigError(f"{type(model).__name__} models cannot be served: continuous batching needs a key/value "
-                              f"cache, and they decode over a {type(self.cache).__name__} (use tokenloom generate)")
-        self.device = device_of(model)  # the batch's tokens, positions and caches live beside the weights
-        self.lengths = torch.zeros(max_batch, dtype=torch.long, device=self.device)  # cached positions per row
-        self.views: dict[int, object] = {}  # running rows -> the cache's first rows as a ragged view
+        self.block_size = block_size
+        per_request = -(-(self.max_len + extra) // block_size)
+        self.kv_blocks = kv_blocks or max_batch * per_request
+        L, _, _, Hkv, _, D = probe.kv.shape
+        check_kv_cache(c, 1, self.kv_blocks * block_size, probe.kv.element_size(),
+                       f"kv_blocks={self.kv_blocks} x block_size={block_size}", error=ConfigError)
+        self.pool = PagedKVCache(L, self.kv_blocks, Hkv, block_size, D, dtype=probe.kv.dtype, device=probe.kv.device)
+        self.blocks = BlockManager(self.kv_blocks, block_size, prefix_caching)
+        self.prefix_caching, self.prefill_tokens = prefix_caching, prefill_tokens
+        self.device = device_of(model)  # the batch's tokens and positions live beside the weights
         self.slots: list[_Slot] = []
+        self.pending: deque[Request | _Slot] = deque()  # taken from the queue, not yet admitted (preempted first)
         self.waiting: queue.Queue[Request] = queue.Queue(maxsize=max_queue)
         self.eos = getattr(tokenizer, "eos_id", None)
         self.on_step = on_step  # (active rows, tokens produced) after every step, for metrics
@@ -142,6 +180,9 @@ class Engine:
         # loop: one wake-up per step instead of one per request); None: each emit is called directly
         self.dispatch = dispatch
         self._events: list[tuple[Callable, tuple]] = []
+        self._admitted = 0
+        self.preemptions = 0  # requests that gave their blocks back and were prefilled again
+        self.peak_active = 0  # the most requests running at once
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="tokenloom-engine", daemon=True)
 
@@ -169,7 +210,23 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        return self.waiting.qsize()
+        return self.waiting.qsize() + len(self.pending)
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt the KV cache can hold with one new token."""
+        return self.kv_blocks * self.block_size - 1
+
+    def cache_stats(self) -> dict:
+        """The paged cache's state: blocks used and free, prefix-cache queries and hits (tokens), evictions,
+        preemptions."""
+        return {**self.blocks.stats(), "blocks": self.kv_blocks, "block_size": self.block_size,
+                "preemptions": self.preemptions}
+
+    @property
+    def alive(self) -> bool:
+        """Whether the engine thread runs (``/health`` answers 503 once it has stopped)."""
+        return self._thread.is_alive()
 
     # --- the loop -----------------------------------------------------------------------------------------------
 
@@ -178,18 +235,21 @@ class Engine:
         with torch.inference_mode():
             while not self._stop.is_set():
                 try:
+                    self._pull()
                     self._admit()
                     if not self.slots:
-                        try:
-                            request = self.waiting.get(timeout=0.05)
-                        except queue.Empty:
-                            continue
-                        self._start(request)
+                        if not self.pending:
+                            try:
+                                self.pending.append(self.waiting.get(timeout=0.05))
+                            except queue.Empty:
+                                pass
                         continue
                     self._step()
                 except Exception as error:  # noqa: BLE001 — fail the running requests, keep serving
                     for slot in self.slots:
                         self._emit(slot.request, ("error", f"generation failed: {error}"))
+                        self.blocks.release_all(slot.table)
+                        slot.table = []
                     self._events, events = [], self._events
                     if self.dispatch is not None and events:
                         try:
@@ -198,129 +258,361 @@ class Engine:
                             pass
                     self.slots.clear()
 
-    def _admit(self) -> None:
-        while len(self.slots) < self.max_batch:
+    def _pull(self) -> None:
+        while True:
             try:
-                request = self.waiting.get_nowait()
+                self.pending.append(self.waiting.get_nowait())
             except queue.Empty:
                 return
-            self._start(request)
 
-    @property
-    def alive(self) -> bool:
-        """Whether the engine thread runs (``/health`` answers 503 once it has stopped)."""
-        return self._thread.is_alive()
+    def _admit(self) -> None:
+        """Admit waiting requests (the preempted first) while the batch has room and the free blocks cover their
+        prompts (less the blocks the prefix cache already holds)."""
+        reserved, bs = 0, self.block_size
+        while self.pending and len(self.slots) < self.max_batch:
+            item = self.pending[0]
+            slot = item if isinstance(item, _Slot) else None
+            request = item.request if slot is not None else item
+            if request.cancelled or self._late(request):
+                self.pending.popleft()
+                self._flush()
+                continue
+            feed = slot.feed if slot is not None else request.prompt_ids
+            blocks = -(-(len(feed) + 1) // bs)
+            if blocks > self.kv_blocks:
+                self.pending.popleft()
+                self._fail(request, f"the prompt of {len(request.prompt_ids)} tokens does not fit in the KV cache "
+                                    f"({self.kv_blocks} blocks of {bs} positions: {self.max_prompt_tokens} at most)")
+                continue
+            matched = [] if request.echo else self.blocks.match(feed[:-1])
+            if not self.blocks.can_allocate(reserved + blocks - len(matched)):
+                self.blocks.release_all(matched)
+                return
+            reserved += blocks - len(matched)
+            self.pending.popleft()
+            if slot is None:
+                config = request.config
+                generator = None
+                if not config.greedy and config.seed is not None:
+                    generator = torch.Generator(device=self.device).manual_seed(config.seed)
+                slot = _Slot(request, create_processors(config), generator, feed=list(feed))
+                request.cached_tokens = len(matched) * bs
+                if request.echo:
+                    request.prompt_logprobs = [None]
+            slot.table, slot.length = matched, len(matched) * bs
+            slot.registered = len(matched)
+            self._admitted += 1
+            slot.order = self._admitted
+            self.slots.append(slot)
+        self.peak_active = max(self.peak_active, len(self.slots))
 
-    def _start(self, request: Request) -> None:
-        """Prefill ``request`` and emit its first token; whatever fails fails this request (an error event to its
-        client), never the engine."""
-        slots = len(self.slots)
-        try:
-            self._prefill(request)
-        except Exception as error:  # noqa: BLE001 — one request's settings must not stop every other request
-            del self.slots[slots:]  # its row, if it got one
-            request.finish_reason = "error"
-            self._emit(request, ("error", f"generation failed: {error}"))
-            self._flush()
+    def _late(self, request: Request) -> bool:
+        """Ends ``request`` with a timeout error when its deadline has passed."""
+        if request.deadline is None or time.monotonic() <= request.deadline or request.finish_reason is not None:
+            return False
+        request.finish_reason = "timeout"
+        self._emit(request, ("error", "the request waited longer than the server's request timeout"))
+        return True
 
-    def _prefill(self, request: Request) -> None:
-        """Prefill ``request`` into the next free row and emit its first token."""
-        if request.cancelled:
+    def _fail(self, request: Request, message: str) -> None:
+        request.finish_reason = "error"
+        self._emit(request, ("error", message))
+        self._flush()
+
+    # --- a step -------------------------------------------------------------------------------------------------
+
+    def _step(self) -> None:
+        for slot in self.slots:
+            if slot.prefilling and not slot.request.cancelled:
+                self._late(slot.request)
+        self._release()
+        if not self.slots:
             return
-        if request.deadline is not None and time.monotonic() > request.deadline:
-            request.finish_reason = "timeout"
-            self._emit(request, ("error", "the request waited longer than the server's request timeout"))
-            self._flush()
+        decoding = [s for s in self.slots if not s.prefilling]
+        produced = None
+        if self.speculator is not None and len(decoding) == len(self.slots) <= self.max_batch:
+            produced = self._speculate()
+        if produced is None:
+            produced = self._forward(decoding)
+        if self.on_step is not None:
+            self.on_step(len(self.slots), produced)
+        self._release()
+
+    def _forward(self, decoding: list[_Slot]) -> int:
+        """One forward over the decoding rows' newest tokens and chunks of the prompts being prefilled (up to
+        ``prefill_tokens`` tokens in all). -> the tokens produced."""
+        budget = max(self.prefill_tokens - len(decoding), self.block_size)
+        segments = [(s, 1) for s in decoding]
+        for slot in sorted((s for s in self.slots if s.prefilling), key=lambda s: s.order):
+            if budget <= 0:
+                break
+            n = min(len(slot.feed) - slot.length, budget)
+            segments.append((slot, n))
+            budget -= n
+        segments = self._reserve(segments)
+        if not segments:
+            return 0
+        device = self.device
+        ids, positions = [], []
+        for slot, n in segments:
+            ids.append(slot.feed[slot.length:slot.length + n] if slot.prefilling else [slot.last])
+            positions.append(list(range(slot.length, slot.length + n)))
+        counts = [n for _, n in segments]
+        view = self._view([s for s, _ in segments], None if max(counts) == 1 else counts)
+        shape = (len(segments), 1) if max(counts) == 1 else (1, sum(counts))
+        ids_t = torch.tensor(sum(ids, []), device=device).view(shape)
+        positions_t = torch.tensor(sum(positions, []), device=device).view(shape)
+        hidden, _ = self.model.forward_features(ids_t, positions=positions_t, cache=view)
+        hidden = hidden.reshape(-1, hidden.shape[-1])
+        # the positions whose logits are needed: a decoding row's token, a prompt's last one (its first new token),
+        # every prompt position of an echo request (its prompt log-probabilities)
+        picks, spans, start = [], [], 0
+        for slot, n in segments:
+            first = len(picks)
+            finishing = slot.prefilling and slot.length + n == len(slot.feed)
+            if not slot.prefilling or (finishing and not slot.resumed):
+                if slot.request.echo and slot.prefilling:
+                    picks.extend(range(start, start + n))
+                else:
+                    picks.append(start + n - 1)
+            elif slot.request.echo and not slot.resumed:
+                picks.extend(range(start, start + n))
+            spans.append((first, len(picks)))
+            start += n
+        scores = self._limited(self.model.forward_head(hidden[picks])) if picks else None
+        return self._advance(segments, spans, scores)
+
+    def _advance(self, segments: list[tuple[_Slot, int]], spans: list[tuple[int, int]], scores: Tensor | None) -> int:
+        """After a forward: lengths, prompt log-probabilities, the prefix cache, and each row's next token."""
+        chosen: list[_Slot] = []
+        rows: list[int] = []
+        for (slot, n), (a, b) in zip(segments, spans, strict=True):
+            was_prefilling, start = slot.prefilling, slot.length
+            slot.length += n
+            self._register(slot)
+            request = slot.request
+            if was_prefilling and request.echo and not slot.resumed:
+                self._prompt_logprobs(request, scores[a:b], start)
+            if was_prefilling and slot.prefilling:
+                continue  # more of its prompt to come
+            if was_prefilling and slot.resumed:
+                slot.resumed = False
+                self._join_speculation(slot)
+                continue
+            if was_prefilling and request.score_only:
+                request.finish_reason = "length"
+                request.first_token_at = time.monotonic()
+                self._emit(request, ("done", "length"))
+                continue
+            chosen.append(slot)
+            rows.append(b - 1)
+        if not chosen:
+            return 0
+        scores = scores[rows]  # (C, V) in the order of ``chosen``
+        tokens = self._choose_rows(chosen, scores)
+        source = list(range(len(chosen)))  # each chosen slot's row of ``scores``
+        for i, slot in enumerate(list(chosen)):
+            if slot.last >= 0:
+                continue
+            self._join_speculation(slot)  # its prompt just ended: this is its first token
+            for sibling in slot.request.siblings:  # n samples: the others fork its blocks and choose from its logits
+                fork = self._fork(slot, sibling)
+                chosen.append(fork)
+                tokens.append(self._choose(fork, scores[i:i + 1])[0])
+                source.append(i)
+        for slot, token, row in zip(chosen, tokens, source, strict=True):
+            if slot.request.logprobs is not None:
+                slot.request.token_logprobs.extend(self._entries(scores[row:row + 1], [token], slot.request.logprobs))
+        return self._deliver(chosen, [[t] for t in tokens])
+
+    # --- blocks -------------------------------------------------------------------------------------------------
+
+    def _reserve(self, segments: list[tuple[_Slot, int]]) -> list[tuple[_Slot, int]]:
+        """Give every segment's slot the blocks for its new columns (a shared partial block copied first); when
+        none is free, preempt the newest other request (or, the newest itself, this one). -> the segments left."""
+        out = []
+        for slot, n in segments:
+            while slot in self.slots:
+                try:
+                    self._grow(slot, slot.length + n)
+                    out.append((slot, n))
+                    break
+                except NoFreeBlocks:
+                    victim = max(self.slots, key=lambda s: s.order)
+                    self._preempt(victim)
+        return [(s, n) for s, n in out if s in self.slots]
+
+    def _grow(self, slot: _Slot, columns: int) -> None:
+        """Blocks for ``columns`` columns; the partial block the next write lands in made the slot's own."""
+        bs = self.block_size
+        i = slot.length // bs
+        if slot.length % bs and i < len(slot.table) and not self.blocks.writable(slot.table[i]):
+            old = slot.table[i]
+            new, copied = self.blocks.copy_on_write(old)
+            if copied:
+                self.pool.copy_block(new, old, slot.length % bs)
+            slot.table[i] = new
+        need = -(-columns // bs) - len(slot.table)
+        if need > 0:
+            slot.table.extend(self.blocks.allocate_many(need))
+
+    def _preempt(self, slot: _Slot) -> None:
+        """``slot`` gives its blocks back and waits at the head of the queue, to be prefilled again (its prompt and
+        the tokens it produced) and continue where it was."""
+        self.blocks.release_all(slot.table)
+        slot.table, slot.length, slot.registered = [], 0, 0
+        request = slot.request
+        if request.new_ids:
+            slot.feed = request.prompt_ids + request.new_ids[:-1]
+            slot.resumed = True
+        else:  # (still prefilling its prompt: it starts over)
+            slot.feed = list(request.prompt_ids)
+            if request.echo:
+                request.prompt_logprobs = [None]
+        self._remove(self.slots.index(slot))
+        self.pending.appendleft(slot)
+        self.preemptions += 1
+
+    def _register(self, slot: _Slot) -> None:
+        """Register the slot's newly filled blocks in the prefix cache; a block whose tokens another block holds
+        already is replaced by that one (the duplicate freed)."""
+        bs = self.block_size
+        full = slot.length // bs
+        if full <= slot.registered or not self.prefix_caching:
+            slot.registered = max(slot.registered, full)
             return
-        if len(self.slots) >= self.max_batch:  # (only from _run's blocking get) the batch filled meanwhile
-            self.waiting.put(request)
-            return
-        try:
-            ids = torch.tensor([request.prompt_ids], device=self.device)
-            cache = self.model.create_cache(1, self.max_len, rolling=False)
-            logits = self.model(ids, cache=cache)[0, -1]  # (V,)
-            row, T = len(self.slots), ids.shape[1]
-            speculative = self.speculator is not None and request.speculative
-            state = self.speculator.start(row, request) if self.speculator is not None else None
-        except Exception as error:  # noqa: BLE001
-            self._emit(request, ("error", f"generation failed: {error}"))
-            self._flush()
-            return
-        self.cache.copy_rows(row, cache, 0, T)
-        self.lengths[row] = T
+        sequence = slot.request.prompt_ids + slot.request.new_ids
+        keys = self.blocks.block_keys(sequence[:full * bs])
+        for i in range(slot.registered, full):
+            held = self.blocks.register(slot.table[i], keys[i])
+            if held != slot.table[i]:
+                self.blocks.fork(held)
+                self.blocks.release(slot.table[i])
+                slot.table[i] = held
+        slot.registered = full
+
+    def _fork(self, slot: _Slot, request: Request) -> _Slot:
+        """A sibling sample of ``slot``'s request: its blocks shared (the partial last one copied on its first
+        write), its own processors and generator; it joins the batch (even past ``max_batch``)."""
         config = request.config
         generator = None
         if not config.greedy and config.seed is not None:
             generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        slot = _Slot(request, create_processors(config), generator, last=-1, speculative=speculative,
-                     draft_state=state)
-        self.slots.append(slot)
-        token = self._choose(slot, self._limited(logits[None]))[0]
-        self._deliver([slot], [[token]])
-        if self.on_step is not None:
-            self.on_step(len(self.slots), 1)
-        self._release()
+        fork = _Slot(request, create_processors(config), generator, feed=slot.feed,
+                     table=[self.blocks.fork(b) for b in slot.table], length=slot.length, registered=slot.registered)
+        request.cached_tokens = slot.request.cached_tokens
+        request.prompt_logprobs = list(slot.request.prompt_logprobs)
+        self._admitted += 1
+        fork.order = self._admitted
+        self.slots.append(fork)
+        self._join_speculation(fork)
+        return fork
 
-    def _step(self) -> None:
-        A = len(self.slots)
-        tokens = torch.tensor([[s.last] for s in self.slots], device=self.device)  # (A, 1)
-        if A not in self.views:
-            self.views[A] = self.cache.ragged(A, self.lengths[:A])
-        lengths = self.lengths[:A]
-        proposal = None
-        if self.speculator is not None:
-            proposal = self.speculator.propose(self.slots, [self._budget(s.request) for s in self.slots])
+    def _view(self, slots: list[_Slot], counts: list[int] | None):
+        width = max(len(s.table) for s in slots)
+        device = self.device
+        tables = torch.tensor([s.table + [0] * (width - len(s.table)) for s in slots], device=device)
+        lengths = torch.tensor([s.length for s in slots], device=device)
+        return self.pool.view(tables, lengths, None if counts is None else torch.tensor(counts, device=device))
+
+    def _remove(self, row: int) -> None:
+        """Drop the slot of ``row``: the last one moves into it."""
+        last = len(self.slots) - 1
+        if row != last:
+            self.slots[row] = self.slots[last]
+            if self.speculator is not None:
+                self.speculator.move(row, last)
+        self.slots.pop()
+
+    # --- log-probabilities --------------------------------------------------------------------------------------
+
+    @staticmethod
+    def _entries(scores: Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+        """(n, V) float32 scores and the n tokens chosen after them -> their :data:`TokenLogprob` entries."""
+        logp = torch.log_softmax(scores, -1)
+        chosen = logp.gather(1, torch.tensor(tokens, device=scores.device)[:, None])[:, 0].tolist()
+        if not k:
+            return [(t, c, []) for t, c in zip(tokens, chosen, strict=True)]
+        values, ids = logp.topk(min(k, logp.shape[-1]), -1)
+        return [(t, c, list(zip(i, v, strict=True)))
+                for t, c, i, v in zip(tokens, chosen, ids.tolist(), values.tolist(), strict=True)]
+
+    def _prompt_logprobs(self, request: Request, scores: Tensor, start: int) -> None:
+        """The prompt log-probabilities a chunk's (n, V) scores give: position j's scores score prompt token j + 1
+        (the last prompt position's score the first new token instead)."""
+        prompt = request.prompt_ids
+        n = min(scores.shape[0], len(prompt) - 1 - start)
+        if n > 0:
+            request.prompt_logprobs.extend(self._entries(scores[:n], prompt[start + 1:start + 1 + n],
+                                                         request.logprobs or 0))
+
+    # --- speculative decoding -----------------------------------------------------------------------------------
+
+    def _join_speculation(self, slot: _Slot) -> None:
+        """A slot whose prompt is cached joins the drafter (its prompt-lookup table, its draft-model row)."""
+        row = self.slots.index(slot)
+        if self.speculator is None or row >= self.max_batch:
+            slot.speculative = False
+            return
+        slot.speculative = slot.request.speculative
+        slot.draft_state = self.speculator.start(row, slot.request)
+
+    def _speculate(self) -> int | None:
+        """A speculative step when a row has drafts and the blocks for them are free: one pass of T positions per
+        row verifies every row's drafts. None: a plain step instead."""
+        proposal = self.speculator.propose(self.slots, [self._budget(s.request) for s in self.slots])
         if proposal is None:
-            logits = self.model(tokens, positions=lengths[:, None], cache=self.views[A])[:, 0]  # (A, V)
-            self.lengths[:A] += 1
-            produced = self._deliver(self.slots, [[token] for token in self._choose_all(logits)])
-        else:
-            produced = self._verify(tokens, proposal)
-        if self.on_step is not None:
-            self.on_step(A, produced)
-        self._release()
+            return None
+        A, T = len(self.slots), proposal.tokens.shape[1] + 1
+        try:
+            for slot in self.slots:
+                self._grow(slot, slot.length + T)
+        except NoFreeBlocks:
+            return None
+        device = self.device
+        lengths = torch.tensor([s.length for s in self.slots], device=device)
+        counts = proposal.counts
+        offsets = torch.minimum(torch.arange(T, device=device)[None], counts[:, None])  # (A, T)
+        tokens = torch.tensor([[s.last] for s in self.slots], device=device)
+        view = self._view(self.slots, None)
+        hidden, _ = self.model.forward_features(torch.cat((tokens, proposal.tokens), 1),
+                                                positions=lengths[:, None] + offsets, cache=view)
+        scores = self._limited(self.model.forward_head(hidden).reshape(A * T, -1)).view(A, T, -1)
+        kept, nxt = accept(self.slots, scores, proposal)
+        drafts = proposal.tokens.tolist()
+        for b, (slot, c, k) in enumerate(zip(self.slots, counts.tolist(), kept, strict=True)):
+            slot.length += k + 1
+            self._register(slot)
+            slot.request.drafted += c
+            slot.request.accepted += k
+            if slot.request.logprobs is not None:
+                slot.request.token_logprobs.extend(self._entries(scores[b, :k + 1], drafts[b][:k] + [nxt[b]],
+                                                                 slot.request.logprobs))
+        self.speculator.settle(torch.tensor([s.length for s in self.slots], device=device))
+        if self.on_draft is not None:
+            self.on_draft(int(counts.sum()), sum(kept))
+        return self._deliver(self.slots, [row[:k] + [n] for row, k, n in zip(drafts, kept, nxt, strict=True)])
 
     def _budget(self, request: Request) -> int:
         """The tokens ``request`` may still produce: its ``max_tokens`` and the context."""
         n = len(request.new_ids)
         return min(request.config.max_new_tokens - n, self.max_len - len(request.prompt_ids) - n)
 
-    def _verify(self, tokens: Tensor, proposal) -> int:  # noqa: ANN001 - a speculation.Proposal
-        """One pass over each row's newest token (A, 1) and its drafts (T positions per row, written from its own
-        length; a row's positions past its drafts are padding, at its last real position); each row advances by
-        the drafts it keeps and the model's next token. -> the tokens produced."""
-        A, T = len(self.slots), proposal.tokens.shape[1] + 1
-        lengths, counts = self.lengths[:A], proposal.counts
-        offsets = torch.minimum(torch.arange(T, device=self.device)[None], counts[:, None])  # (A, T)
-        logits = self.model(torch.cat((tokens, proposal.tokens), 1), positions=lengths[:, None] + offsets,
-                            cache=self.views[A])  # (A, T, V)
-        scores = self._limited(logits.reshape(A * T, -1)).view(A, T, -1)
-        kept, nxt = accept(self.slots, scores, proposal)
-        self.lengths[:A] += torch.tensor(kept, device=self.device) + 1
-        self.speculator.settle(self.lengths[:A])
-        drafts = proposal.tokens.tolist()
-        for slot, c, k in zip(self.slots, counts.tolist(), kept, strict=True):
-            slot.request.drafted += c
-            slot.request.accepted += k
-        if self.on_draft is not None:
-            self.on_draft(int(counts.sum()), sum(kept))
-        return self._deliver(self.slots, [row[:k] + [n] for row, k, n in zip(drafts, kept, nxt, strict=True)])
-
     def _limited(self, logits: Tensor) -> Tensor:
         """(A, V) logits as float32, ids past the tokenizer's vocabulary never chosen."""
         return limit_vocabulary(logits, self.vocab_limit)
 
-    def _choose_all(self, logits: Tensor) -> list[int]:
-        logits = self._limited(logits)
-        plain = [i for i, s in enumerate(self.slots) if s.request.config.greedy and not s.processors]
-        out = [0] * len(self.slots)
+    def _choose_rows(self, slots: list[_Slot], scores: Tensor) -> list[int]:
+        """Each slot's next token from its row of the (C, V) float32 ``scores`` (the vocabulary limited): plain
+        greedy rows by one argmax, the others as :meth:`_choose`."""
+        plain = [i for i, s in enumerate(slots) if s.request.config.greedy and not s.processors]
+        out = [0] * len(slots)
         if plain:
-            best = logits[plain].argmax(-1).tolist()
-            for i, token in zip(plain, best, strict=True):
+            for i, token in zip(plain, scores[plain].argmax(-1).tolist(), strict=True):
                 out[i] = token
-        for i, slot in enumerate(self.slots):
+        for i, slot in enumerate(slots):
             if not (slot.request.config.greedy and not slot.processors):
-                out[i] = self._choose(slot, logits[i:i + 1])[0]
+                out[i] = self._choose(slot, scores[i:i + 1])[0]
         return out
 
     def _choose(self, slot: _Slot, scores: Tensor) -> list[int]:
@@ -344,6 +636,8 @@ class Engine:
             slot.last = new[-1]
             reason, used = self._take(request, new)
             taken += used
+            if request.logprobs is not None:  # (an EOS, or tokens past a stop, have no entry)
+                del request.token_logprobs[len(request.new_ids):]
             text = self.tokenizer.decode(request.new_ids)
             cut = _stop_at(text, request.stop_strings)
             if cut >= 0:
@@ -391,8 +685,8 @@ class Engine:
             self.dispatch(events)
 
     def _release(self) -> None:
-        """Hand over the step's events; free the rows of finished and cancelled requests, moving the last rows
-        into them."""
+        """Hand over the step's events; release the blocks of finished and cancelled requests (a cancelled
+        request's siblings that never started are cancelled with it)."""
         self._flush()
         row = 0
         while row < len(self.slots):
@@ -400,15 +694,9 @@ class Engine:
             if request.finish_reason is None and not request.cancelled:
                 row += 1
                 continue
-            last = len(self.slots) - 1
-            if row != last:
-                n = int(self.lengths[last])
-                self.cache.copy_rows(row, self.cache, last, n)
-                self.lengths[row] = self.lengths[last]
-                self.slots[row] = self.slots[last]
-                if self.speculator is not None:
-                    self.speculator.move(row, last)
-            self.slots.pop()
+            self.blocks.release_all(self.slots[row].table)
+            self.slots[row].table = []
+            self._remove(row)
 
 
 def _stop_at(text: str, stop_strings: list[str]) -> int:

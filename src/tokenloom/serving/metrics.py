@@ -128,7 +128,28 @@ class Metrics:
                       "# TYPE tokenloom_active_requests gauge", f"tokenloom_active_requests {active}",
                       "# HELP tokenloom_batch_occupancy Running batch / its capacity.",
                       "# TYPE tokenloom_batch_occupancy gauge", f"tokenloom_batch_occupancy {active / max_batch:.4f}"]
+            if engine is not None:
+                lines += cache_lines(engine.cache_stats())
             lines += self.latency.render("tokenloom_request_latency_seconds", "Time from request to its last byte.")
             lines += self.ttft.render("tokenloom_time_to_first_token_seconds",
                                       "Time from a request's arrival at the engine to its first token.")
         return "\n".join(lines) + "\n"
+
+
+def cache_lines(stats: dict) -> list[str]:
+    """The paged KV cache's gauges and counters (:meth:`~tokenloom.serving.engine.Engine.cache_stats`)."""
+    queried, hit = stats["query_tokens"], stats["hit_tokens"]
+    rows = [("kv_blocks_used", "gauge", "KV cache blocks held by requests.", stats["used"]),
+            ("kv_blocks_free", "gauge", "KV cache blocks free or evictable.", stats["free"]),
+            ("kv_blocks_cached", "gauge", "KV cache blocks registered in the prefix cache.", stats["cached_blocks"]),
+            ("prefix_cache_queried_tokens_total", "counter", "Prompt tokens looked up in the prefix cache.", queried),
+            ("prefix_cache_hit_tokens_total", "counter", "Prompt tokens found in the prefix cache.", hit),
+            ("prefix_cache_hit_rate", "gauge", "Prompt tokens found / looked up in the prefix cache.",
+             f"{hit / queried if queried else 0.0:.4f}"),
+            ("kv_evictions_total", "counter", "Cached blocks evicted for new ones.", stats["evictions"]),
+            ("preemptions_total", "counter", "Requests preempted (blocks given back, prefilled again).",
+             stats["preemptions"])]
+    lines = []
+    for name, kind, help_, value in rows:
+        lines += [f"# HELP tokenloom_{name} {help_}", f"# TYPE tokenloom_{name} {kind}", f"tokenloom_{name} {value}"]
+    return lines

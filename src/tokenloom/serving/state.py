@@ -52,7 +52,9 @@ class ServerState:
         if state.is_lm:
             state.engine = Engine(model, tokenizer, config.max_batch, config.max_queue, on_step=state.metrics.on_step,
                                   dispatch=state.dispatch, draft=draft, num_draft_tokens=config.num_draft_tokens,
-                                  on_draft=state.metrics.on_draft)
+                                  on_draft=state.metrics.on_draft, block_size=config.block_size,
+                                  kv_blocks=config.kv_blocks, prefix_caching=config.prefix_caching,
+                                  prefill_tokens=config.prefill_tokens)
         state.api_key = check_api_key(config.api_key) if config.api_key is not None else None
         return state
 
