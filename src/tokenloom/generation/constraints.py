@@ -257,7 +257,7 @@ def _spec(json_schema, json_object, regex, choice) -> tuple[str, str, str]:
         if not isinstance(json_schema, dict):
             raise ConstraintError(f"json_schema must be a JSON object (a dict), got {type(json_schema).__name__}")
         try:
-            text = json.dumps(json_schema, sort_keys=True, ensure_ascii=False)
+            text = json.dumps(json_schema, ensure_ascii=False)  # key order kept: it is the properties' order
         except (TypeError, ValueError) as err:
             raise ConstraintError(f"json_schema is not JSON: {_one_line(err)}") from None
         return "json_schema", text, "json_schema"
@@ -387,8 +387,7 @@ class Constraint:
         """Tokens followed since the prompt."""
         return 0 if self._prompt_len is None else self._seen - self._prompt_len
 
-    def advance(self, token: int) -> None:
-        """Follow one appended token (``__call__`` does this for the tokens it finds appended)."""
+    def _advance(self, token: int) -> None:
         if self._ended:  # padding after EOS
             return
         if token == self.eos_id and self.is_complete:
@@ -419,8 +418,10 @@ class Constraint:
             allowed[self.eos_id] = True
         return allowed
 
-    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
-        if input_ids.dim() != 2 or input_ids.shape[0] != 1 or scores.shape[0] != 1:
+    def update(self, input_ids: Tensor) -> None:
+        """Follow the tokens appended to ``input_ids`` (1, S) since the last call (the first call records the prompt).
+        ``__call__`` does this first; call it directly to read :attr:`done` right after appending a token."""
+        if input_ids.dim() != 2 or input_ids.shape[0] != 1:
             raise ConstraintError(f"a constraint follows one request (a batch of 1), got input_ids of shape "
                                   f"{tuple(input_ids.shape)}; constrained requests cannot use speculative decoding "
                                   "or beam search")
@@ -432,8 +433,15 @@ class Constraint:
                                   "forward; build a new one for a new request")
         elif n > self._seen:
             for token in input_ids[0, self._seen:].tolist():
-                self.advance(token)
+                self._advance(token)
             self._seen = n
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if scores.dim() != 2 or scores.shape[0] != 1:
+            raise ConstraintError(f"a constraint follows one request (a batch of 1), got scores of shape "
+                                  f"{tuple(scores.shape)}; constrained requests cannot use speculative decoding "
+                                  "or beam search")
+        self.update(input_ids)
         allowed = self.allowed(scores.device)
         if not bool(allowed.any()):
             if self.is_complete:

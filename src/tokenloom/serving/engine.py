@@ -291,11 +291,13 @@ class Engine:
             reserved += blocks - len(matched)
             self.pending.popleft()
             if slot is None:
-                config = request.config
-                generator = None
-                if not config.greedy and config.seed is not None:
-                    generator = torch.Generator(device=self.device).manual_seed(config.seed)
-                slot = _Slot(request, create_processors(config), generator, feed=list(feed))
+                try:  # one request's settings must not stop every other request
+                    slot = _Slot(request, create_processors(request.config), self._generator(request.config),
+                                 feed=list(feed))
+                except Exception as error:  # noqa: BLE001
+                    self.blocks.release_all(matched)
+                    self._fail(request, f"generation failed: {error}")
+                    continue
                 request.cached_tokens = len(matched) * bs
                 if request.echo:
                     request.prompt_logprobs = [None]
@@ -305,6 +307,12 @@ class Engine:
             slot.order = self._admitted
             self.slots.append(slot)
         self.peak_active = max(self.peak_active, len(self.slots))
+
+    def _generator(self, config: GenerationConfig) -> torch.Generator | None:
+        """A sampling request's own seeded generator (None: greedy, or the global one without a seed)."""
+        if config.greedy or config.seed is None:
+            return None
+        return torch.Generator(device=self.device).manual_seed(config.seed)
 
     def _late(self, request: Request) -> bool:
         """Ends ``request`` with a timeout error when its deadline has passed."""
@@ -494,11 +502,7 @@ class Engine:
     def _fork(self, slot: _Slot, request: Request) -> _Slot:
         """A sibling sample of ``slot``'s request: its blocks shared (the partial last one copied on its first
         write), its own processors and generator; it joins the batch (even past ``max_batch``)."""
-        config = request.config
-        generator = None
-        if not config.greedy and config.seed is not None:
-            generator = torch.Generator(device=self.device).manual_seed(config.seed)
-        fork = _Slot(request, create_processors(config), generator, feed=slot.feed,
+        fork = _Slot(request, create_processors(request.config), self._generator(request.config), feed=slot.feed,
                      table=[self.blocks.fork(b) for b in slot.table], length=slot.length, registered=slot.registered)
         request.cached_tokens = slot.request.cached_tokens
         request.prompt_logprobs = list(slot.request.prompt_logprobs)
