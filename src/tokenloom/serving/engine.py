@@ -485,11 +485,11 @@ class Engine:
         """Register the slot's newly filled blocks in the prefix cache; a block whose tokens another block holds
         already is replaced by that one (the duplicate freed)."""
         bs = self.block_size
-        full = slot.length // bs
+        sequence = slot.request.prompt_ids + slot.request.new_ids
+        full = min(slot.length, len(sequence)) // bs  # (a request cut by a stop: its columns past its tokens)
         if full <= slot.registered or not self.prefix_caching:
             slot.registered = max(slot.registered, full)
             return
-        sequence = slot.request.prompt_ids + slot.request.new_ids
         keys = self.blocks.block_keys(sequence[:full * bs])
         for i in range(slot.registered, full):
             held = self.blocks.register(slot.table[i], keys[i])
@@ -586,7 +586,6 @@ class Engine:
         drafts = proposal.tokens.tolist()
         for b, (slot, c, k) in enumerate(zip(self.slots, counts.tolist(), kept, strict=True)):
             slot.length += k + 1
-            self._register(slot)
             slot.request.drafted += c
             slot.request.accepted += k
             if slot.request.logprobs is not None:
@@ -595,7 +594,10 @@ class Engine:
         self.speculator.settle(torch.tensor([s.length for s in self.slots], device=device))
         if self.on_draft is not None:
             self.on_draft(int(counts.sum()), sum(kept))
-        return self._deliver(self.slots, [row[:k] + [n] for row, k, n in zip(drafts, kept, nxt, strict=True)])
+        produced = self._deliver(self.slots, [row[:k] + [n] for row, k, n in zip(drafts, kept, nxt, strict=True)])
+        for slot in self.slots:  # (after the kept drafts joined the requests' tokens)
+            self._register(slot)
+        return produced
 
     def _budget(self, request: Request) -> int:
         """The tokens ``request`` may still produce: its ``max_tokens`` and the context."""
