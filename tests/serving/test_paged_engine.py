@@ -223,3 +223,26 @@ def test_a_prompt_larger_than_the_whole_cache_fails_alone():
         engine.stop()
     assert results[0][1].startswith("error: the prompt of 20 tokens does not fit in the KV cache")
     assert results[1] == (offline(model, [1, 2, 3], greedy(2)), "length")
+
+
+def test_a_constrained_request_keeps_to_its_regex_and_stops_once_complete():
+    pytest.importorskip("outlines_core")
+    import re
+
+    from tokenloom.checkpoint import load_tokenizer
+    from tokenloom.generation.constraints import build_constraint
+
+    tokenizer = load_tokenizer("checkpoints/shakespeare-char")
+    model = small_model(vocab_size=65, position="rope")
+    pattern = "(to|be)( (or|not|to|be)){3}"
+    engine = run(Engine(model, tokenizer, max_batch=2, block_size=4, draft=None))
+    try:
+        config = GenerationConfig(max_new_tokens=40, do_sample=True, seed=3)
+        request = Request(tokenizer.encode("ROMEO:"), config, None,
+                          constraint=build_constraint(tokenizer, 65, regex=pattern, eos_id=tokenizer.eos_id))
+        free = Request(tokenizer.encode("ROMEO:"), config, None)
+        [(text, reason), (other, _)] = collect(engine, [request, free])
+    finally:
+        engine.stop()
+    assert re.fullmatch(pattern, text) and reason == "stop"
+    assert not re.fullmatch(pattern, other)  # the same seed unconstrained: random characters

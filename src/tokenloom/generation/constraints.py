@@ -22,14 +22,17 @@ Limits:
 * A character-level tokenizer constrains only text made of its characters: Tiny Shakespeare's 65 characters have no
   ``{``, ``"``, ``[`` nor most digits, so JSON needs a byte-level BPE tokenizer (:class:`ConstraintError` says which
   character is missing).
-* JSON follows outlines-core's subset of JSON Schema (``type``, ``properties``, ``required``, ``enum``, ``const``,
-  ``anyOf``/``oneOf``/``allOf``, ``$ref`` inside the schema, string ``minLength``/``maxLength``/``pattern``/
-  ``format``, array ``minItems``/``maxItems``, ...) with at most one space between tokens of the JSON text and
-  objects nested at most 3 deep where the schema leaves them open (``json_object``).
+* JSON follows outlines-core's subset of JSON Schema (``type``, ``properties`` in the schema's order, ``required``,
+  ``enum``, ``const``, ``anyOf``/``oneOf``/``allOf``, local ``$ref``, string ``minLength``/``maxLength``/``pattern``/
+  ``format``, array ``items``/``minItems``/``maxItems``); numeric ``minimum``/``maximum`` are not enforced (validate
+  the result where they matter). The JSON text has at most one space between its tokens, strings no ``\\uXXXX``
+  escapes, and objects the schema leaves open (``json_object``) nest at most 3 deep. ``json_object`` takes about
+  3 s to compile (once per tokenizer: build it at startup to have it cached).
 * Regexes use Rust ``regex`` syntax and must match the whole generated text (a leading ``^`` and a trailing ``$`` are
   dropped); look-around and back-references do not compile.
 * Tokenizers: character-level, byte-level BPE (GPT-2 style) and SentencePiece-style (``▁`` for spaces, byte
-  fallback ``<0xNN>``) ones; special tokens are never allowed inside the constrained text. WordPiece is not supported.
+  fallback ``<0xNN>``) ones; special tokens, ``eos_id`` and tokens holding private-use characters U+100000..U+10FFFF
+  are never allowed inside the constrained text. WordPiece is not supported.
 """
 
 from __future__ import annotations
@@ -49,11 +52,13 @@ from ..errors import TokenloomError
 CACHE_SIZE = 32  # compiled constraints kept (LRU)
 _VOCAB_CACHE_SIZE = 8  # tokenizer vocabularies kept (LRU)
 _MAX_DETAIL = 160  # characters of a library message quoted in an error
-# A character no token holds, appended to every regex as an end marker: outlines-core 0.2's index drops a token
-# that takes a complete match on to a longer, not yet complete text (regex-automata reports a match one byte late),
-# e.g. "a" after "ab" for (ab)+; with the marker no prefix of the text is a complete match, every continuation stays,
-# and a state is final when the marker may follow it. (Noncharacters, tried in order.)
-_MARKERS = ("\U0010ffff", "\U0010fffe", "\uffff", "\ufffe")
+# The end marker appended to every regex: outlines-core 0.2's index drops a token that takes a complete match on to a
+# longer, not yet complete text (regex-automata reports a match one byte late), e.g. "a" after "ab" for (ab)+. With
+# the marker no prefix of the text is a complete match, so every continuation stays, and a state is final when the
+# marker may follow it. The marker is U+10FFFF, spelled only by a stand-in token: tokens holding its lead byte 0xF4
+# (in UTF-8 text: the private-use characters U+100000..U+10FFFF alone) are left out, so none can start it.
+_MARKER = "\U0010ffff"
+_MARKER_LEAD = 0xF4
 
 
 class ConstraintError(TokenloomError, ValueError):
@@ -104,20 +109,20 @@ _BYTE_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 def token_bytes(tokenizer) -> dict[int, bytes]:
     """Token id -> the bytes the token adds to the decoded text, for every ordinary token of ``tokenizer`` (a tokenloom
-    :class:`~tokenloom.data.tokenizers.Tokenizer` or a Hugging Face ``tokenizers.Tokenizer``); special tokens and
-    tokens that decode to nothing are left out."""
+    :class:`~tokenloom.data.tokenizers.Tokenizer` or a Hugging Face ``tokenizers.Tokenizer``); special tokens, the
+    unknown token and tokens that decode to nothing are left out."""
     backend = getattr(tokenizer, "backend", tokenizer)
-    try:
-        spec = json.loads(backend.to_str())
+    try:  # the decoder's and the model's settings (not the whole tokenizer.json: its merges are slow to serialize)
+        decoder = backend.decoder
+        decoders = _decoder_types(json.loads(decoder.__getstate__()) if decoder is not None else None)
+        model_type = type(backend.model).__name__
         vocab = backend.get_vocab(with_added_tokens=False)
         added = backend.get_added_tokens_decoder()
     except AttributeError:
         raise ConstraintError(f"constrained decoding needs a tokenizer over a tokenizer.json, got "
                               f"{type(tokenizer).__name__}") from None
-    model = spec.get("model") or {}
-    decoders = _decoder_types(spec.get("decoder"))
     kinds = {d.get("type") for d in decoders}
-    if model.get("type") == "WordPiece" or "WordPiece" in kinds:
+    if model_type == "WordPiece" or "WordPiece" in kinds:
         raise ConstraintError("constrained decoding does not support WordPiece tokenizers (their '##' pieces join "
                               "words only when decoded together)")
     if "ByteLevel" in kinds:
@@ -135,7 +140,7 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
                 replace.append((d.get("replacement", "▁"), " "))
             elif d.get("type") == "Replace" and "String" in (d.get("pattern") or {}):
                 replace.append((d["pattern"]["String"], d.get("content", "")))
-        byte_fallback = bool(model.get("byte_fallback")) or "ByteFallback" in kinds
+        byte_fallback = bool(getattr(backend.model, "byte_fallback", False)) or "ByteFallback" in kinds
 
         def to_bytes(token: str) -> bytes | None:
             if byte_fallback and (m := _BYTE_TOKEN.fullmatch(token)):
@@ -144,9 +149,12 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
                 token = token.replace(old, new)
             return token.encode("utf-8")
 
+    unknown = {vocab.get(getattr(backend.model, "unk_token", None) or "")}  # the unknown token is no text
+    if model_type == "Unigram":
+        unknown.add(json.loads(backend.model.__getstate__()).get("unk_id"))
     out = {}
     for token, idx in vocab.items():
-        if (data := to_bytes(token)):
+        if idx not in unknown and (data := to_bytes(token)):
             out[idx] = data
     for idx, token in added.items():  # added tokens: a special one is never text; an ordinary one is its content
         out.pop(idx, None)
@@ -158,11 +166,11 @@ def token_bytes(tokenizer) -> dict[int, bytes]:
 @dataclass
 class _Vocabulary:
     """outlines-core's vocabulary of a tokenizer within ``vocab_size`` ids, with two stand-in ids past them: the
-    library's EOS (never emitted: :class:`Constraint` handles the real one) and the end marker's token."""
+    library's EOS (never emitted: :class:`Constraint` handles the real one) and the end marker's token (its only
+    spelling)."""
 
     backend: object  # kept so that the cache key (its id) cannot be reused while this entry lives
     vocabulary: object
-    marker: str  # the end-marker character
     marker_id: int
 
 
@@ -194,20 +202,17 @@ def _vocabulary(tokenizer, vocab_size: int, eos_id: int | None) -> tuple[Hashabl
     if (found := _cached(_vocab_cache, key)) is not None:
         return key, found
     oc = _library()
-    pieces = {i: b for i, b in token_bytes(tokenizer).items() if 0 <= i < vocab_size and i != eos_id}
+    pieces = {i: b for i, b in token_bytes(tokenizer).items()
+              if 0 <= i < vocab_size and i != eos_id and _MARKER_LEAD not in b}
     if not pieces:
         raise ConstraintError(f"the tokenizer has no text tokens below the model's vocab_size={vocab_size}")
-    marker = next((m for m in _MARKERS if not any(m.encode() in b for b in pieces.values())), None)
-    if marker is None:
-        raise ConstraintError("the tokenizer's tokens contain every Unicode noncharacter constrained decoding could "
-                              "use as an end marker")
     grouped: dict[bytes, list[int]] = {}
     for idx, data in pieces.items():
         grouped.setdefault(data, []).append(idx)
     first_free = max(vocab_size, max(pieces) + 1)
     marker_id = first_free + 1  # first_free: the library's EOS
-    grouped[marker.encode()] = [marker_id]
-    entry = _Vocabulary(backend, oc.Vocabulary(first_free, grouped), marker, marker_id)
+    grouped[_MARKER.encode()] = [marker_id]
+    entry = _Vocabulary(backend, oc.Vocabulary(first_free, grouped), marker_id)
     return key, _store(_vocab_cache, key, entry, _VOCAB_CACHE_SIZE)
 
 
@@ -277,12 +282,17 @@ def _spec(json_schema, json_object, regex, choice) -> tuple[str, str, str]:
     return "choice", json.dumps(sorted(set(choice)), ensure_ascii=False), f"choice of {len(set(choice))}"
 
 
+_UNICODE_DIGIT = re.compile(r"(?<!\\)((?:\\\\)*)\\d")  # an unescaped \d
+
+
 def _regex_of(kind: str, spec: str) -> str:
     if kind in ("json_schema", "json_object"):
         try:
-            return _library().json_schema.build_regex_from_schema(spec)
+            regex = _library().json_schema.build_regex_from_schema(spec)
         except (ValueError, TypeError, OverflowError) as err:
             raise ConstraintError(f"json_schema does not compile: {_one_line(err)}") from None
+        # the formats' \d (date, time, date-time) is any Unicode digit in Rust's regex: JSON wants 0-9
+        return _UNICODE_DIGIT.sub(r"\1[0-9]", regex)
     if kind == "regex":
         return _strip_anchors(spec)
     return "|".join(_escape(c) for c in json.loads(spec))
@@ -292,7 +302,7 @@ def _compile(vocab: _Vocabulary, kind: str, spec: str, what: str) -> _Compiled:
     oc = _library()
     regex = _regex_of(kind, spec)
     try:
-        index = oc.Index(f"(?:{regex}){_escape(vocab.marker)}", vocab.vocabulary)
+        index = oc.Index(f"(?:{regex}){_escape(_MARKER)}", vocab.vocabulary)
     except (ValueError, TypeError, OverflowError) as err:
         detail = str(err)
         if "incompatible" in detail:
@@ -301,12 +311,13 @@ def _compile(vocab: _Vocabulary, kind: str, spec: str, what: str) -> _Compiled:
             raise ConstraintError(f"the tokenizer's vocabulary cannot express this {what}{lacks}") from None
         if kind in ("json_schema", "json_object"):
             raise ConstraintError(f"json_schema does not compile: {_one_line(err)}") from None
-        if kind == "regex":
+        if kind == "regex":  # Python's message points at the error; Rust's DFA builder only says that it failed
             try:
                 re.compile(spec)
             except re.error as py_err:
-                detail = str(py_err)
-            raise ConstraintError(f"{what} does not compile: {_one_line(detail)}") from None
+                raise ConstraintError(f"{what} does not compile: {_one_line(py_err)}") from None
+            raise ConstraintError(f"{what} does not compile (Rust regex syntax: no look-around, no "
+                                  f"back-references): {_one_line(err)}") from None
         raise ConstraintError(f"{what} does not compile: {_one_line(err)}") from None
     compiled = _Compiled(index, what, vocab.marker_id, (vocab.marker_id + 1 + 31) // 32)
     compiled._finals = set(index.get_final_states())

@@ -86,6 +86,9 @@ class Request:
     #   alternatives (token_logprobs)
     echo: bool = False  # also the prompt tokens' log-probabilities (prompt_logprobs): no cached prefix is read
     score_only: bool = False  # prefill only (echo with max_tokens 0): ends "length" with no new token
+    constraint: object = None  # a stateful logits processor keeping the text in a grammar (response_format:
+    #   tokenloom.generation.constraints.Constraint), after the request's own processors; the request ends ("stop")
+    #   once the text is complete and nothing may follow (its ``done``); no drafts for it
     siblings: list[Request] = field(default_factory=list)  # the other samples (n > 1) of the same prompt and
     #   settings but their seeds: the engine prefills the prompt once and forks its blocks; submit only this one
     cancelled: bool = False
@@ -292,7 +295,7 @@ class Engine:
             self.pending.popleft()
             if slot is None:
                 try:  # one request's settings must not stop every other request
-                    slot = _Slot(request, create_processors(request.config), self._generator(request.config),
+                    slot = _Slot(request, self._processors(request), self._generator(request.config),
                                  feed=list(feed))
                 except Exception as error:  # noqa: BLE001
                     self.blocks.release_all(matched)
@@ -307,6 +310,14 @@ class Engine:
             slot.order = self._admitted
             self.slots.append(slot)
         self.peak_active = max(self.peak_active, len(self.slots))
+
+    @staticmethod
+    def _processors(request: Request):  # noqa: ANN205 - a LogitsProcessorList
+        """The request's logits processors: its settings', then its constraint's."""
+        processors = create_processors(request.config)
+        if request.constraint is not None:
+            processors.append(request.constraint)
+        return processors
 
     def _generator(self, config: GenerationConfig) -> torch.Generator | None:
         """A sampling request's own seeded generator (None: greedy, or the global one without a seed)."""
@@ -502,7 +513,7 @@ class Engine:
     def _fork(self, slot: _Slot, request: Request) -> _Slot:
         """A sibling sample of ``slot``'s request: its blocks shared (the partial last one copied on its first
         write), its own processors and generator; it joins the batch (even past ``max_batch``)."""
-        fork = _Slot(request, create_processors(request.config), self._generator(request.config), feed=slot.feed,
+        fork = _Slot(request, self._processors(request), self._generator(request.config), feed=slot.feed,
                      table=[self.blocks.fork(b) for b in slot.table], length=slot.length, registered=slot.registered)
         request.cached_tokens = slot.request.cached_tokens
         request.prompt_logprobs = list(slot.request.prompt_logprobs)
@@ -558,8 +569,8 @@ class Engine:
         if self.speculator is None or row >= self.max_batch:
             slot.speculative = False
             return
-        slot.speculative = slot.request.speculative
-        slot.draft_state = self.speculator.start(row, slot.request)
+        slot.speculative = slot.request.speculative and slot.request.constraint is None
+        slot.draft_state = self.speculator.start(row, slot.request, slot.speculative)
 
     def _speculate(self) -> int | None:
         """A speculative step when a row has drafts and the blocks for them are free: one pass of T positions per
@@ -671,6 +682,10 @@ class Engine:
             if self.eos is not None and token == self.eos:
                 return "stop", used
             request.new_ids.append(token)
+            if request.constraint is not None:  # complete, and nothing may follow (no EOS to end it otherwise)
+                request.constraint.update(torch.tensor([request.prompt_ids + request.new_ids]))
+                if request.constraint.done:
+                    return "stop", used
             if len(tokens) > 1 and request.stop_strings and \
                     _stop_at(self.tokenizer.decode(request.new_ids), request.stop_strings) >= 0:
                 return "stop", used  # (one token: the caller's own check finds it)
@@ -708,3 +723,4 @@ class Engine:
 def _stop_at(text: str, stop_strings: list[str]) -> int:
     """Where the first stop string found in ``text`` starts, or -1."""
     return min((text.find(s) for s in stop_strings if s in text), default=-1)
+

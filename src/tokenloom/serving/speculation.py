@@ -135,10 +135,11 @@ class Speculator:
 
     # --- rows joining and moving ------------------------------------------------------------------------------------
 
-    def start(self, row: int, request) -> object | None:  # noqa: ANN001 - an engine Request
-        """A request that opted in joins in ``row`` (after the model's prefill): its prompt-lookup table (returned,
-        kept with its slot), or its prompt prefilled into the draft cache's row."""
-        if not request.speculative:
+    def start(self, row: int, request, drafts: bool = True) -> object | None:  # noqa: ANN001 - an engine Request
+        """A request joins in ``row`` (after the model's prefill): when it gets drafts (``drafts``: it opted in and
+        nothing forbids them, e.g. a constraint), its prompt-lookup table (returned, kept with its slot) or its prompt
+        prefilled into the draft cache's row."""
+        if not (drafts and request.speculative):
             if self.draft is not None:
                 self.lengths[row] = 0
             return None
