@@ -25,7 +25,7 @@ from .security import check_api_key
 @dataclass(eq=False)
 class ServerState:
     """The served model and tokenizer, the settings, the metrics, the engine (language models only; ``None`` for a
-    translation model) and the lock that runs one translation batch at a time."""
+    translation model) and the batcher that merges concurrent translation requests."""
 
     model: Any
     tokenizer: Any
@@ -33,7 +33,7 @@ class ServerState:
     metrics: Metrics = field(default_factory=Metrics)
     is_lm: bool = False
     engine: Engine | None = None
-    translate_lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    translator: Any = None  # the translation batcher (routes.translations.TranslationBatcher), made at first use
     api_key: bytes | None = None  # the key's UTF-8 bytes, None: no key asked for
     post_paths: set[str] = field(default_factory=set)  # the routes that take a POST body (filled at the first request)
     loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app (set by the lifespan)

@@ -1,10 +1,14 @@
 """tokenloom's own ``/v1/translations`` for encoder-decoder and NAT models: a batch of sentences in, their
-translations out, one batch at a time on the model (in a worker thread, off the event loop)."""
+translations out. Requests batch together: those that arrive while the model translates wait, and the next batch
+takes every waiting request of the same beam width (up to :data:`MAX_BATCH` sentences) in one call of the model (in
+a worker thread, off the event loop), each request getting its own sentences' translations back
+(:class:`TranslationBatcher`)."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
@@ -16,6 +20,72 @@ from ..checks import APIError, check_model, field, read_json
 from ..state import ServerState, server_state
 
 MAX_INPUTS, MAX_BEAM = 256, 8  # sentences per translation request, beam width
+MAX_BATCH = 256  # sentences one call of the model translates at most (requests of the same beam width together)
+
+
+class TranslationBatcher:
+    """Dynamic batching of translation requests: :meth:`translate` queues a request's sentences; one worker at a time
+    runs ``run(sentences, options)`` (blocking, in a thread) over every waiting request with the first one's options,
+    up to :data:`MAX_BATCH` sentences, and hands each request its slice. A batch that fails is run again request by
+    request, so one request's error fails that request alone. ``batches`` / ``sentences`` count the calls made."""
+
+    def __init__(self, run: Callable[[list[str], dict], list[str]]) -> None:
+        self.run = run
+        self.pending: list[tuple[list[str], dict, asyncio.Future]] = []
+        self.worker: asyncio.Task | None = None
+        self.batches = self.sentences = 0
+
+    async def translate(self, sources: list[str], options: dict) -> list[str]:
+        future = asyncio.get_running_loop().create_future()
+        self.pending.append((sources, options, future))
+        if self.worker is None or self.worker.done():
+            self.worker = asyncio.ensure_future(self._work())
+        return await future
+
+    async def _work(self) -> None:
+        while self.pending:
+            options = self.pending[0][1]
+            batch, size = [], 0
+            for item in self.pending:
+                if item[1] == options and (not batch or size + len(item[0]) <= MAX_BATCH):
+                    batch.append(item)
+                    size += len(item[0])
+            self.pending = [item for item in self.pending if item not in batch]
+            batch = [item for item in batch if not item[2].done()]  # (a client that left)
+            if not batch:
+                continue
+            try:
+                outs = await self._call([s for item in batch for s in item[0]], options, [len(i[0]) for i in batch])
+            except Exception as error:  # noqa: BLE001 — run each request alone: the error belongs to one of them
+                if len(batch) == 1:
+                    _settle(batch[0][2], error=error)
+                    continue
+                for sources, _, future in batch:
+                    try:
+                        [out] = await self._call(sources, options, [len(sources)])
+                    except Exception as alone:  # noqa: BLE001
+                        _settle(future, error=alone)
+                    else:
+                        _settle(future, out)
+                continue
+            for (_, _, future), out in zip(batch, outs, strict=True):
+                _settle(future, out)
+
+    async def _call(self, sources: list[str], options: dict, sizes: list[int]) -> list[list[str]]:
+        out = await asyncio.get_running_loop().run_in_executor(None, self.run, sources, options)
+        self.batches += 1
+        self.sentences += len(sources)
+        starts = [sum(sizes[:i]) for i in range(len(sizes))]
+        return [out[a:a + n] for a, n in zip(starts, sizes, strict=True)]
+
+
+def _settle(future: asyncio.Future, result=None, error: BaseException | None = None) -> None:  # noqa: ANN001
+    if future.done():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
 
 
 def add_routes(router: APIRouter, state: ServerState) -> None:
@@ -46,12 +116,13 @@ async def translations(request: HTTPRequest):
     from ...tasks.translation import translate
 
     started = time.monotonic()
-    async with state.translate_lock:  # one translation batch at a time on the model
-        try:
-            out = await asyncio.get_running_loop().run_in_executor(
-                None, lambda: _translate(translate, model, state.tokenizer, sources, options))
-        except TokenloomError as err:
-            raise APIError(400, str(err), param="input", code="invalid_value") from None
+    if state.translator is None:
+        state.translator = TranslationBatcher(
+            lambda batch, opts: _translate(translate, model, state.tokenizer, batch, opts))
+    try:
+        out = await state.translator.translate(sources, options)
+    except TokenloomError as err:
+        raise APIError(400, str(err), param="input", code="invalid_value") from None
     state.metrics.count_request("translations")
     state.metrics.observe_latency(time.monotonic() - started)
     return {"object": "list", "model": config.model_name,
