@@ -113,7 +113,8 @@ def prefix_scenario(model: GPT, args: argparse.Namespace) -> tuple[dict, bool]:
     same = rows["on"]["texts"] == rows["off"]["texts"]
     summary = {}
     for name, out in rows.items():
-        summary[name] = {"ttft_p50_ms": 1000 * statistics.median(out["ttft"]), "ttft_p99_ms": 1000 * pct(out["ttft"], 99),
+        summary[name] = {"ttft_p50_ms": 1000 * statistics.median(out["ttft"]),
+                         "ttft_p99_ms": 1000 * pct(out["ttft"], 99),
                          "tokens_per_s": out["tokens"] / out["wall"], "wall_s": out["wall"],
                          "cached_prompt_tokens": out["cached_tokens"]}
     off, on = summary["off"], summary["on"]

@@ -6,8 +6,10 @@ from .config import GenerationConfig
 from .drafting import Drafter, ModelDrafter, PromptLookup, check_draft_tokenizer
 from .generate import generate, stream
 from .processors import (
+    LogitBiasProcessor,
     LogitsProcessor,
     LogitsProcessorList,
+    PresenceFrequencyProcessor,
     RepetitionPenaltyProcessor,
     TemperatureProcessor,
     TopKProcessor,
@@ -17,7 +19,8 @@ from .processors import (
 from .speculative import DraftTally
 
 __all__ = [
-    "BeamOutput", "DraftTally", "Drafter", "GenerationConfig", "LogitsProcessor", "LogitsProcessorList",
-    "ModelDrafter", "PromptLookup", "RepetitionPenaltyProcessor", "TemperatureProcessor", "TopKProcessor",
-    "TopPProcessor", "beam_search", "check_draft_tokenizer", "create_processors", "generate", "stream",
+    "BeamOutput", "DraftTally", "Drafter", "GenerationConfig", "LogitBiasProcessor", "LogitsProcessor",
+    "LogitsProcessorList", "ModelDrafter", "PresenceFrequencyProcessor", "PromptLookup", "RepetitionPenaltyProcessor",
+    "TemperatureProcessor", "TopKProcessor", "TopPProcessor", "beam_search", "check_draft_tokenizer",
+    "create_processors", "generate", "stream",
 ]

@@ -306,8 +306,10 @@ def _check_request(model: nn.Module, input_ids: Tensor, config: GenerationConfig
     if not config.greedy:
         raise GenerationError(f"beam search needs do_sample=False (beam sampling is not supported), got "
                               f"do_sample={config.do_sample} with temperature={config.temperature}")
-    if config.repetition_penalty != 1.0 or config.stop_strings:
-        raise GenerationError("beam search takes no repetition_penalty or stop_strings")
+    if config.repetition_penalty != 1.0 or config.stop_strings or config.presence_penalty or \
+            config.frequency_penalty or config.logit_bias:
+        raise GenerationError("beam search takes no repetition_penalty, presence_penalty, frequency_penalty, "
+                              "logit_bias or stop_strings")
     if not 1 <= config.num_return_sequences <= config.num_beams:
         raise GenerationError(f"num_return_sequences={config.num_return_sequences} must be in [1, "
                               f"num_beams={config.num_beams}]")

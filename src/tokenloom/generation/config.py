@@ -18,6 +18,8 @@ INT64_LIMIT = 2 ** 63  # token ids are written into int64 tensors
 LENGTH_PENALTY_LIMIT = 10.0  # beam scores divide by length ** length_penalty, a Python float then float32: a huge
 #   exponent overflows (OverflowError) or makes every score -inf; within +-10 it stays in float32's range up to
 #   lengths of about 6,000 tokens
+PENALTY_LIMIT = 2.0  # presence_penalty and frequency_penalty lie in [-2, 2] (OpenAI's range)
+LOGIT_BIAS_LIMIT = 100.0  # logit_bias values lie in [-100, 100] (OpenAI's range)
 MAX_FLOAT32 = 3.4028234663852886e38  # the largest float32: a temperature or repetition penalty beyond it is
 #   inf in that dtype (scores / inf: NaN for the -inf of a banned token)
 
@@ -35,8 +37,9 @@ def offset_seed(seed: int | None, k: int) -> int | None:
 class GenerationConfig:
     """How to continue a prompt. Greedy when ``do_sample`` is False or ``temperature`` is 0; beam search
     (:func:`tokenloom.generation.beam_search`) when ``num_beams`` > 1, which needs ``do_sample=False`` and
-    takes no ``repetition_penalty`` or ``stop_strings`` (``temperature``, ``top_k`` and ``top_p`` are
-    sampling settings: greedy decoding and beam search ignore them)."""
+    takes no ``repetition_penalty``, ``presence_penalty``, ``frequency_penalty``, ``logit_bias`` or ``stop_strings``
+    (``temperature``, ``top_k`` and ``top_p`` are sampling settings: greedy decoding and beam search ignore them;
+    the penalties and ``logit_bias`` apply to greedy decoding too, see :mod:`tokenloom.generation.processors`)."""
 
     max_new_tokens: int = 100  # tokens to generate at most (fewer when every row stops early)
     do_sample: bool = True  # sample from the processed distribution; False = greedy (argmax)
@@ -44,6 +47,12 @@ class GenerationConfig:
     top_k: int | None = None  # sample only among the k most likely tokens; None = no limit
     top_p: float | None = None  # nucleus: the smallest set of tokens whose probability reaches p; None = all
     repetition_penalty: float = 1.0  # > 1 discourages tokens already in the sequence (prompt included)
+    presence_penalty: float = 0.0  # in [-2, 2]: subtracted from the logit of every token already generated (OpenAI's
+    #   semantics; only the generated tokens count, not the prompt); 0 = off; not with speculative decoding
+    frequency_penalty: float = 0.0  # in [-2, 2]: times the number of times a token was already generated, subtracted
+    #   from its logit (only the generated tokens count); 0 = off
+    logit_bias: dict[int, float] | None = None  # token id -> a number in [-100, 100] added to its logit before
+    #   choosing (greedy too; -100 all but bans a token, +100 all but forces it); None = off
     eos_token_id: int | None = None  # a row stops after producing this token; None = never
     pad_token_id: int = 0  # written after a row has stopped
     stop_strings: list[str] = field(default_factory=list)  # a row stops once its new text contains one
@@ -87,6 +96,22 @@ class GenerationConfig:
               and MIN_TEMPERATURE <= self.repetition_penalty <= MAX_FLOAT32,
               f"repetition_penalty must be a number in [{MIN_TEMPERATURE:.3g}, {MAX_FLOAT32:.3g}] (1 = off; normal "
               f"float32, the dtype it scales the logits in), got {self.repetition_penalty!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            check(isinstance(value, (int, float)) and not isinstance(value, bool)
+                  and -PENALTY_LIMIT <= value <= PENALTY_LIMIT,
+                  f"{name} must be a number in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}] (0 = off), got {value!r}")
+        if self.logit_bias is not None:
+            check(isinstance(self.logit_bias, dict),
+                  f"logit_bias must be a dict of token id -> number or None, got {self.logit_bias!r}")
+            self.logit_bias = dict(self.logit_bias)
+            for token, bias in self.logit_bias.items():
+                check(_is_int(token) and 0 <= token < INT64_LIMIT,
+                      f"logit_bias keys must be token ids (integers in [0, 2^63)), got {token!r}")
+                check(isinstance(bias, (int, float)) and not isinstance(bias, bool)
+                      and -LOGIT_BIAS_LIMIT <= bias <= LOGIT_BIAS_LIMIT,
+                      f"logit_bias[{token}] must be a number in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}], "
+                      f"got {bias!r}")
         if self.eos_token_id is not None:
             check(_is_int(self.eos_token_id) and 0 <= self.eos_token_id < INT64_LIMIT,
                   f"eos_token_id must be a token id in [0, 2^63) or None, got {self.eos_token_id!r}")
@@ -138,6 +163,11 @@ class GenerationConfig:
                                "not supported")
             check(self.repetition_penalty == 1.0, f"repetition_penalty={self.repetition_penalty} does not apply to "
                                                   f"beam search (num_beams={self.num_beams}); leave it at 1.0")
+            for name in ("presence_penalty", "frequency_penalty"):
+                check(getattr(self, name) == 0, f"{name}={getattr(self, name)} does not apply to beam search "
+                                                f"(num_beams={self.num_beams}); leave it at 0")
+            check(not self.logit_bias, f"logit_bias does not apply to beam search (num_beams={self.num_beams}); "
+                                       "leave it out")
             check(not self.stop_strings, f"stop_strings do not apply to beam search (num_beams={self.num_beams}); "
                                          "use eos_token_id")
 
@@ -148,6 +178,9 @@ class GenerationConfig:
         if self.compile:
             return "speculative decoding runs eagerly (its verification passes are not one-token steps); " \
                    "leave compile off"
+        if self.presence_penalty or self.frequency_penalty:
+            return "speculative decoding pads the histories it verifies with stand-in tokens, which presence_penalty " \
+                   "and frequency_penalty would count as generated; leave them at 0"
         if self.exit_threshold is not None:
             return f"speculative decoding verifies with the full model; leave exit_threshold " \
                    f"({self.exit_threshold}) off"

@@ -2,8 +2,13 @@
 
 ``input_ids`` is the sequence so far (prompt and generated tokens), ``scores`` the next-token logits.
 A :class:`LogitsProcessorList` applies them in order; :func:`create_processors` builds the list a
-:class:`GenerationConfig` asks for, leaving out the ones that would change nothing. Order (as in Hugging
-Face transformers): repetition penalty, then temperature, top-k, top-p.
+:class:`GenerationConfig` asks for, leaving out the ones that would change nothing. Order: logit bias,
+presence/frequency penalties, repetition penalty (these change the argmax, so greedy decoding keeps them), then,
+when sampling, temperature, top-k, top-p (as in Hugging Face transformers).
+
+:class:`PresenceFrequencyProcessor` is stateful: it counts only the generated tokens, taking the length of
+``input_ids`` at its first call as the prompt's, so it needs a fresh list per generation whose first call comes
+right after the prefill (as ``create_processors`` per ``generate`` call, per served request, gives).
 """
 
 from __future__ import annotations
@@ -13,6 +18,7 @@ from typing import Protocol
 import torch
 from torch import Tensor
 
+from ..errors import GenerationError
 from .config import MAX_FLOAT32, MIN_TEMPERATURE, GenerationConfig
 
 
@@ -78,6 +84,62 @@ class TopPProcessor:
         return scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
 
 
+class LogitBiasProcessor:
+    """``scores[:, t] += bias[t]`` for each token id ``t`` of ``logit_bias`` (OpenAI's ``logit_bias``): a bias
+    of -100 all but bans a token, +100 all but forces it. A banned (-inf) score stays banned."""
+
+    def __init__(self, logit_bias: dict[int, float]) -> None:
+        self.ids = list(logit_bias)
+        self.values = [float(v) for v in logit_bias.values()]
+        self._dense: Tensor | None = None  # (V,) the bias of every id, built at the first call
+
+    def _bias(self, scores: Tensor) -> Tensor:
+        V = scores.shape[-1]
+        dense = self._dense
+        if dense is None or dense.shape[0] != V or dense.device != scores.device or dense.dtype != scores.dtype:
+            outside = [t for t in self.ids if t >= V]
+            if outside:
+                raise GenerationError(f"logit_bias names token id {outside[0]}, outside the model's vocabulary of "
+                                      f"{V} ids")
+            dense = torch.zeros(V, dtype=scores.dtype, device=scores.device)
+            dense[torch.tensor(self.ids, dtype=torch.long, device=scores.device)] = torch.tensor(
+                self.values, dtype=scores.dtype, device=scores.device)
+            self._dense = dense
+        return dense
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        return scores + self._bias(scores)
+
+
+class PresenceFrequencyProcessor:
+    """OpenAI's penalties over the generated tokens: ``scores[:, t] -= presence * (count[t] > 0) + frequency *
+    count[t]``, ``count[t]`` the times token ``t`` appears in the row after the prompt.
+
+    Stateful: the length of ``input_ids`` at the first call is taken as the prompt length (the first call comes
+    right after the prefill, before any token is generated), and only the tokens after it are counted. Use one
+    instance per generation (:func:`create_processors` makes a fresh one). Histories padded with stand-in tokens
+    (speculative verification) would count those: :class:`GenerationConfig` keeps these penalties away from
+    speculative decoding."""
+
+    def __init__(self, presence: float = 0.0, frequency: float = 0.0) -> None:
+        for name, value in (("presence", presence), ("frequency", frequency)):
+            if not -2 <= value <= 2:
+                raise ValueError(f"{name} penalty must be in [-2, 2], got {value}")
+        self.presence, self.frequency = presence, frequency
+        self.prompt_len: int | None = None  # set at the first call
+
+    def __call__(self, input_ids: Tensor, scores: Tensor) -> Tensor:
+        if self.prompt_len is None:
+            self.prompt_len = input_ids.shape[1]
+        generated = input_ids[:, self.prompt_len:]  # (B, S - prompt)
+        if generated.shape[1] == 0:
+            return scores
+        V = scores.shape[-1]
+        inside = (generated >= 0) & (generated < V)  # a pad id written after a finished row may be anything
+        counts = torch.zeros_like(scores).scatter_add_(1, generated.clamp(0, V - 1), inside.to(scores.dtype))  # (B, V)
+        return scores - self.frequency * counts - self.presence * (counts > 0).to(scores.dtype)
+
+
 class RepetitionPenaltyProcessor:
     """CTRL's penalty (Keskar et al. 2019) as in Hugging Face: for every token already in ``input_ids``,
     a negative score is multiplied by ``penalty`` and a positive one divided by it."""
@@ -98,9 +160,14 @@ class RepetitionPenaltyProcessor:
 
 
 def create_processors(config: GenerationConfig) -> LogitsProcessorList:
-    """The processors ``config`` asks for, in order, without no-ops. Greedy decoding keeps only the
-    repetition penalty: temperature, top-k and top-p never change the argmax."""
+    """The processors ``config`` asks for, in order, without no-ops (a fresh list each call: one holds state).
+    Greedy decoding keeps the logit bias and the penalties: temperature, top-k and top-p never change the
+    argmax."""
     processors = LogitsProcessorList()
+    if config.logit_bias:
+        processors.append(LogitBiasProcessor(config.logit_bias))
+    if config.presence_penalty or config.frequency_penalty:
+        processors.append(PresenceFrequencyProcessor(config.presence_penalty, config.frequency_penalty))
     if config.repetition_penalty != 1.0:
         processors.append(RepetitionPenaltyProcessor(config.repetition_penalty))
     if config.greedy:

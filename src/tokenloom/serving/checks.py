@@ -1,18 +1,23 @@
 """Request checking: the error reply (:class:`APIError`, OpenAI's JSON shape ``{"error": {"message", "type",
 "param", "code"}}``), the body read with a size limit and parsed strictly (:func:`read_json`, :func:`parse_json`), and
 every field checked for its type and range (:func:`field`, :func:`number`, :func:`generation_settings`,
-:func:`check_model`)."""
+:func:`logit_bias`, :func:`logprob_settings`, :func:`check_model`)."""
 
 from __future__ import annotations
 
 import json
+import re
 from typing import Any
 
 from fastapi import Request as HTTPRequest
 from starlette.requests import ClientDisconnect
 
-from ..generation.config import MIN_TEMPERATURE, SEED_LIMIT
+from ..generation.config import INT64_LIMIT, LOGIT_BIAS_LIMIT, MIN_TEMPERATURE, PENALTY_LIMIT, SEED_LIMIT
 from .config import ServeConfig
+from .logprobs import MAX_LOGPROBS
+
+MAX_LOGIT_BIAS = 300  # logit_bias entries at most (OpenAI's limit)
+TOKEN_KEY = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: a token id in decimal, no sign, no leading zero
 
 
 class APIError(Exception):
@@ -58,15 +63,18 @@ def number(body: dict, name: str, default: float, low: float, high: float, low_o
     return float(value)
 
 
-def generation_settings(body: dict, config: ServeConfig, default_max_tokens: int = 16) -> dict[str, Any]:
-    """max_tokens, temperature, top_p, top_k, stop, n, seed of an OpenAI request, and tokenloom's ``speculative``
-    (false: plain decoding on a server with a drafter), checked."""
+def generation_settings(body: dict, config: ServeConfig, default_max_tokens: int = 16, vocab: int | None = None,
+                        echo: bool | None = None) -> dict[str, Any]:
+    """max_tokens, temperature, top_p, top_k, stop, n, seed, presence_penalty, frequency_penalty, logit_bias (ids
+    below ``vocab``) of an OpenAI request, and tokenloom's ``speculative`` (false: plain decoding on a server with a
+    drafter), checked. ``echo`` (completions; None: a route without it): max_tokens 0 is allowed with echo true."""
     max_tokens = min(default_max_tokens, config.max_tokens)
     for name in ("max_completion_tokens", "max_tokens"):  # both checked; max_tokens wins when both are given
         value = field(body, name, (int,), None)
-        if value is not None and not 1 <= value <= config.max_tokens:
-            raise APIError(400, f"'{name}' must be in [1, {config.max_tokens}], got {value}", param=name,
-                           code="invalid_value")
+        if value is not None and not (1 if not echo else 0) <= value <= config.max_tokens:
+            hint = "" if echo is None or value != 0 else " (0, scoring the prompt only, needs 'echo': true)"
+            raise APIError(400, f"'{name}' must be in [{0 if echo else 1}, {config.max_tokens}]{hint}, got {value}",
+                           param=name, code="invalid_value")
         max_tokens = max_tokens if value is None else value
     stop = field(body, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
@@ -89,9 +97,63 @@ def generation_settings(body: dict, config: ServeConfig, default_max_tokens: int
     options = field(body, "stream_options", (dict,), None) or {}
     return dict(max_tokens=max_tokens, temperature=temperature,
                 top_p=number(body, "top_p", 1.0, 0.0, 1.0, low_open=True), top_k=top_k, stop=stop, n=n, seed=seed,
+                presence_penalty=number(body, "presence_penalty", 0.0, -PENALTY_LIMIT, PENALTY_LIMIT),
+                frequency_penalty=number(body, "frequency_penalty", 0.0, -PENALTY_LIMIT, PENALTY_LIMIT),
+                logit_bias=logit_bias(body, vocab),
                 stream=bool(field(body, "stream", (bool,), False)),
                 include_usage=bool(field(options, "include_usage", (bool,), False)),
                 speculative=field(body, "speculative", (bool,), True))  # tokenloom's own: false opts out
+
+
+def logit_bias(body: dict, vocab: int | None) -> dict[int, float] | None:
+    """``logit_bias``: at most :data:`MAX_LOGIT_BIAS` token ids (decimal strings, below ``vocab``) -> numbers in
+    [-100, 100]; None when absent or empty."""
+    bias = field(body, "logit_bias", (dict,), None)
+    if not bias:
+        return None
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise APIError(400, f"'logit_bias' holds {len(bias)} entries; at most {MAX_LOGIT_BIAS}", param="logit_bias",
+                       code="invalid_value")
+    out = {}
+    for key, value in bias.items():
+        if not TOKEN_KEY.fullmatch(key):
+            raise APIError(400, f"'logit_bias' keys must be token ids (decimal integers), got {key[:40]!r}",
+                           param="logit_bias", code="invalid_value")
+        limit = vocab if vocab is not None else INT64_LIMIT
+        if len(key) > len(str(limit)) or int(key) >= limit:  # (a key of thousands of digits: no int() of it)
+            raise APIError(400, f"'logit_bias' names token id {short_number(key)}, outside the vocabulary [0, "
+                                f"{limit})", param="logit_bias", code="invalid_value")
+        token = int(key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or \
+                not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+            raise APIError(400, f"'logit_bias' values must be numbers in [-{LOGIT_BIAS_LIMIT:g}, "
+                                f"{LOGIT_BIAS_LIMIT:g}], got {json.dumps(value)[:40]} for token {token}",
+                           param="logit_bias", code="invalid_value")
+        out[token] = float(value)
+    return out
+
+
+def short_number(value: object) -> str:
+    """A number for a one-line message: its first 20 digits and '...' past them."""
+    text = str(value)
+    return text if len(text) <= 20 else text[:20] + "..."
+
+
+def logprob_settings(body: dict, chat: bool) -> int | None:
+    """The alternatives per token a request asks for, or None for no log-probabilities: completions' ``logprobs``
+    (an integer in [0, 20] or null), chat's ``logprobs`` (boolean) with ``top_logprobs`` (an integer in [0, 20] or
+    null, only with logprobs true)."""
+    name = "top_logprobs" if chat else "logprobs"
+    k = field(body, name, (int,), None)
+    if k is not None and not 0 <= k <= MAX_LOGPROBS:
+        raise APIError(400, f"'{name}' must be in [0, {MAX_LOGPROBS}], got {k}", param=name, code="invalid_value")
+    if not chat:
+        return k
+    if not field(body, "logprobs", (bool,), False):
+        if k is not None:
+            raise APIError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs", code="invalid_value")
+        return None
+    return k or 0
 
 
 def check_model(body: dict, config: ServeConfig) -> None:

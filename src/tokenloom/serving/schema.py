@@ -4,7 +4,10 @@ themselves (:mod:`tokenloom.serving.routes` with :mod:`tokenloom.serving.checks`
 them; the schemas here are written to match those checks, and ``tests/serving/test_fuzz_server.py`` runs
 schemathesis against a live server to hold them to it: a body the schema allows gets 200 unless a check the schema
 cannot state refuses it (prompts x n over the limit, a prompt longer than the context once tokenized, a temperature
-below the smallest float32), and a body the schema refuses gets a 4xx.
+below the smallest float32, a ``response_format`` that does not compile or that the tokenizer cannot spell), and a
+body the schema refuses gets a 4xx.
+The cross-field rules are stated with ``if``/``then``: ``max_tokens`` 0 needs ``echo`` true (completions),
+``top_logprobs`` needs ``logprobs`` true (chat).
 
 For a character tokenizer the text fields name the vocabulary as a ``pattern`` and the context as
 ``maxLength`` (one token per character); other tokenizers accept any text.
@@ -15,7 +18,9 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from ..generation.config import SEED_LIMIT
+from ..generation.config import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, SEED_LIMIT
+from .checks import MAX_LOGIT_BIAS
+from .logprobs import MAX_LOGPROBS
 
 FINISH_REASONS = ["stop", "length"]
 
@@ -28,9 +33,30 @@ ERROR = {
 }
 USAGE = {
     "type": "object", "required": ["prompt_tokens", "completion_tokens", "total_tokens"],
-    "properties": {k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens",
-                                                                   "total_tokens")},
+    "properties": {**{k: {"type": "integer", "minimum": 0} for k in ("prompt_tokens", "completion_tokens",
+                                                                     "total_tokens")},
+                   "prompt_tokens_details": {
+                       "type": "object", "required": ["cached_tokens"],
+                       "properties": {"cached_tokens": {"type": "integer", "minimum": 0,
+                                                        "description": "prompt tokens served from the prefix "
+                                                                       "cache"}}}},
 }
+# log-probabilities in the replies (tokenloom.serving.logprobs); -9999.0 stands for -inf
+_LOGPROB = {"type": "number"}
+COMPLETION_LOGPROBS = {"anyOf": [{"type": "null"}, {
+    "type": "object", "required": ["tokens", "token_logprobs", "top_logprobs", "text_offset"], "properties": {
+        "tokens": {"type": "array", "items": {"type": "string"}},
+        "token_logprobs": {"type": "array", "items": {"anyOf": [_LOGPROB, {"type": "null"}]}},
+        "top_logprobs": {"type": "array", "items": {"anyOf": [{"type": "object", "additionalProperties": _LOGPROB},
+                                                              {"type": "null"}]}},
+        "text_offset": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}]}
+_CHAT_TOKEN = {"token": {"type": "string"}, "logprob": _LOGPROB,
+               "bytes": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 255}}}
+CHAT_LOGPROBS = {"anyOf": [{"type": "null"}, {
+    "type": "object", "required": ["content"], "properties": {"content": {"type": "array", "items": {
+        "type": "object", "required": [*_CHAT_TOKEN, "top_logprobs"], "properties": {
+            **_CHAT_TOKEN, "top_logprobs": {"type": "array", "maxItems": MAX_LOGPROBS, "items": {
+                "type": "object", "required": list(_CHAT_TOKEN), "properties": _CHAT_TOKEN}}}}}}}]}
 _ERRORS = {
     "400": "a field of the wrong type or out of range, a body that is not a JSON object, a prompt the tokenizer "
            "cannot encode or longer than the context",
@@ -72,9 +98,37 @@ def _nullable(schema: dict[str, Any]) -> dict[str, Any]:
     return {**schema, "type": [schema["type"], "null"]}
 
 
-def generation_properties(config) -> dict[str, Any]:  # noqa: ANN001 - a ServeConfig
-    """The sampling settings shared by completions and chat completions."""
+def integers_below(n: int) -> str:
+    """A regex of the decimal integers in [0, ``n``) (no sign, no leading zero), ``n`` >= 1: the token ids."""
+    top = str(n - 1)
+    digits = len(top)
+
+    def span(lo: int, hi: int) -> str:
+        return str(lo) if lo == hi else f"[{lo}-{hi}]"
+
+    alternatives = [] if digits == 1 else ["[0-9]", *(f"[1-9][0-9]{{{d - 1}}}" for d in range(2, digits))]
+    if digits == 1:
+        alternatives.append(span(0, n - 1))
+    else:  # the numbers of as many digits as n - 1, up to it: below it at digit i, equal before
+        for i, ch in enumerate(top):
+            lo, rest = (1 if i == 0 else 0), digits - i - 1
+            if int(ch) > lo:
+                alternatives.append(top[:i] + span(lo, int(ch) - 1) + (f"[0-9]{{{rest}}}" if rest else ""))
+        alternatives.append(top)
+    return "^(?:" + "|".join(alternatives) + ")$"
+
+
+def _requires(name: str, value: Any, other: str, other_value: Any) -> dict[str, Any]:
+    """JSON Schema: when ``name`` is ``value``, ``other`` must be present and ``other_value``."""
+    return {"if": {"required": [name], "properties": {name: value}},
+            "then": {"required": [other], "properties": {other: {"const": other_value}}}}
+
+
+def generation_properties(config, vocab: int) -> dict[str, Any]:  # noqa: ANN001 - a ServeConfig
+    """The sampling settings shared by completions and chat completions (``vocab``: token ids a request may
+    name)."""
     tokens = {"type": "integer", "minimum": 1, "maximum": config.max_tokens}
+    penalty = {"type": "number", "minimum": -PENALTY_LIMIT, "maximum": PENALTY_LIMIT}
     stop = {"type": "string", "minLength": 1}
     return {
         "model": {"enum": [config.model_name, None], "description": "the served model's id (optional)"},
@@ -98,6 +152,25 @@ def generation_properties(config) -> dict[str, Any]:  # noqa: ANN001 - a ServeCo
                                   "false: plain decoding"}),
         "stream_options": _nullable({"type": "object",
                                      "properties": {"include_usage": _nullable({"type": "boolean"})}}),
+        "presence_penalty": _nullable({**penalty, "description": "subtracted from the logit of each token already "
+                                                                 "generated (the prompt does not count)"}),
+        "frequency_penalty": _nullable({**penalty, "description": "times the count of each token already generated, "
+                                                                  "subtracted from its logit"}),
+        "logit_bias": _nullable({"type": "object", "maxProperties": MAX_LOGIT_BIAS,
+                                 "propertyNames": {"pattern": integers_below(vocab)},
+                                 "additionalProperties": {"type": "number", "minimum": -LOGIT_BIAS_LIMIT,
+                                                          "maximum": LOGIT_BIAS_LIMIT},
+                                 "description": f"token id (in [0, {vocab})) -> a number added to its logit "
+                                                "(greedy decoding too)"}),
+        "response_format": _nullable({"type": "object", "required": ["type"],
+                                      "properties": {"type": {"enum": ["text", "json_object", "json_schema", "regex",
+                                                                       "choice"]}},
+                                      "description": "structured output (outlines-core): text; json_object; "
+                                                     "json_schema with {json_schema: {schema}}; tokenloom's regex "
+                                                     "with {regex} and choice with {choice: [strings]}. A spec that "
+                                                     "does not compile, or that the tokenizer cannot spell (a "
+                                                     "character vocabulary without braces or quotes cannot write "
+                                                     "JSON), answers 400"}),
     }
 
 
@@ -123,47 +196,64 @@ def _choice_list(choice: dict[str, Any]) -> dict[str, Any]:
     return {"type": "array", "items": {"type": "object", "required": list(choice), "properties": choice}}
 
 
-def completions_operation(config, tokenizer, context: int) -> dict[str, Any]:  # noqa: ANN001 - a ServeConfig
+def completions_operation(config, tokenizer, context: int, vocab: int) -> dict[str, Any]:  # noqa: ANN001
     text = {**text_schema(tokenizer, context - 1), "minLength": 1}
+    ids = {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1}, "minItems": 1,
+           "maxItems": context - 1}
+    properties = generation_properties(config, vocab)
+    for name in ("max_tokens", "max_completion_tokens"):
+        properties[name] = {**properties[name], "minimum": 0,
+                            "description": properties[name]["description"] + "; 0 (score the prompt) needs echo"}
     body = {"type": "object", "required": ["prompt"], "properties": {
-        "prompt": {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": config.max_prompts}],
-                   "description": "a prompt or a list of them"},
-        **generation_properties(config)}}
+        "prompt": {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": config.max_prompts},
+                             ids, {"type": "array", "items": ids, "minItems": 1, "maxItems": config.max_prompts}],
+                   "description": "a prompt or a list of them, as text or as token ids"},
+        **properties,
+        "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                               "description": "the log-probability of each token and of its k likeliest "
+                                             "alternatives (of the model's logits, before the sampling settings)"}),
+        "echo": _nullable({"type": "boolean", "description": "the reply's text (and logprobs) start with the "
+                                                             "prompt"})},
+        "allOf": [_requires(name, {"const": 0}, "echo", True) for name in ("max_tokens", "max_completion_tokens")]}
+    choice = {"index": {"type": "integer", "minimum": 0}, "text": {"type": "string"}, "logprobs": COMPLETION_LOGPROBS}
     reply = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
         "id": {"type": "string"}, "object": {"const": "text_completion"}, "created": {"type": "integer"},
         "model": {"type": "string"}, "usage": USAGE,
-        "choices": _choice_list({"index": {"type": "integer", "minimum": 0}, "text": {"type": "string"},
-                                 "logprobs": {"type": "null"}, "finish_reason": {"enum": FINISH_REASONS}})}}
+        "choices": _choice_list({**choice, "finish_reason": {"enum": FINISH_REASONS}})}}
     chunk = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
         **reply["properties"], "usage": USAGE,
-        "choices": _choice_list({"index": {"type": "integer", "minimum": 0}, "text": {"type": "string"},
-                                 "logprobs": {"type": "null"},
-                                 "finish_reason": {"enum": [*FINISH_REASONS, None]}})}}
+        "choices": _choice_list({**choice, "finish_reason": {"enum": [*FINISH_REASONS, None]}})}}
     return {**_body(body), "responses": {**_reply(reply, chunk),
                                          **_errors("400", "401", "404", "413", "415", "429", "500", "504")}}
 
 
-def chat_operation(config, tokenizer) -> dict[str, Any]:  # noqa: ANN001 - a ServeConfig
+def chat_operation(config, tokenizer, vocab: int) -> dict[str, Any]:  # noqa: ANN001 - a ServeConfig
     message = {"type": "object", "required": ["role", "content"], "properties": {
         "role": {"type": "string"}, "content": text_schema(tokenizer)}}
     body = {"type": "object", "required": ["messages"], "properties": {
         "messages": {"type": "array", "items": message, "minItems": 1,
                      "description": "the contents are joined, each followed by a newline (no chat template); "
                                     "together they must fit the context"},
-        **generation_properties(config)}}
+        **generation_properties(config, vocab),
+        "logprobs": _nullable({"type": "boolean", "description": "the log-probability of each token (of the "
+                                                                 "model's logits, before the sampling settings)"}),
+        "top_logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
+                                   "description": "the k likeliest alternatives of each token; needs logprobs "
+                                                  "true"})},
+        "allOf": [_requires("top_logprobs", {"type": "integer"}, "logprobs", True)]}
     reply = {"type": "object", "required": ["id", "object", "created", "model", "choices", "usage"], "properties": {
         "id": {"type": "string"}, "object": {"const": "chat.completion"}, "created": {"type": "integer"},
         "model": {"type": "string"}, "usage": USAGE,
         "choices": _choice_list({"index": {"type": "integer", "minimum": 0},
                                  "message": {"type": "object", "required": ["role", "content"], "properties": {
                                      "role": {"const": "assistant"}, "content": {"type": "string"}}},
-                                 "finish_reason": {"enum": FINISH_REASONS}})}}
+                                 "logprobs": CHAT_LOGPROBS, "finish_reason": {"enum": FINISH_REASONS}})}}
     chunk = {"type": "object", "required": ["id", "object", "created", "model", "choices"], "properties": {
         **reply["properties"], "object": {"const": "chat.completion.chunk"}, "usage": USAGE,
         "choices": _choice_list({"index": {"type": "integer", "minimum": 0},
                                  "delta": {"type": "object", "properties": {"role": {"const": "assistant"},
                                                                             "content": {"type": "string"}}},
-                                 "finish_reason": {"enum": [*FINISH_REASONS, None]}})}}
+                                 "logprobs": CHAT_LOGPROBS, "finish_reason": {"enum": [*FINISH_REASONS, None]}})}}
     return {**_body(body), "responses": {**_reply(reply, chunk),
                                          **_errors("400", "401", "404", "413", "415", "429", "500", "504")}}
 

@@ -9,6 +9,7 @@ import json
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from functools import partial
 from typing import Any
 
@@ -16,22 +17,37 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
+from ...generation.choose import vocabulary_limit
 from ...generation.config import GenerationConfig, offset_seed
 from .. import schema as api_schema
-from ..checks import APIError, ClientGone, check_model, field, generation_settings, read_json
+from ..checks import (
+    APIError,
+    ClientGone,
+    check_model,
+    field,
+    generation_settings,
+    logprob_settings,
+    read_json,
+    short_number,
+)
 from ..engine import QueueFull, Request
+from ..logprobs import Choice
 from ..state import ServerState, server_state
+
+RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "choice")  # the last two: tokenloom's own
+MAX_REGEX, MAX_SCHEMA_BYTES, MAX_CHOICES = 512, 16384, 64  # a constraint's size (compiling is paid up front)
 
 
 def add_routes(router: APIRouter, state: ServerState) -> None:
     """The two routes; the schema lists them only for a language model (for another they answer 400
     unsupported_model)."""
     config, tokenizer = state.config, state.tokenizer
+    vocab = vocabulary(state)
     router.add_api_route("/v1/completions", completions, methods=["POST"], include_in_schema=state.is_lm,
                          openapi_extra=api_schema.completions_operation(config, tokenizer,
-                                                                        state.model.config.max_seq_len))
+                                                                        state.model.config.max_seq_len, vocab))
     router.add_api_route("/v1/chat/completions", chat, methods=["POST"], include_in_schema=state.is_lm,
-                         openapi_extra=api_schema.chat_operation(config, tokenizer))
+                         openapi_extra=api_schema.chat_operation(config, tokenizer, vocab))
 
 
 # --- the routes ---------------------------------------------------------------------------------------------------
@@ -49,18 +65,18 @@ async def lm_request(request: HTTPRequest, route: str) -> tuple[ServerState, dic
 async def completions(request: HTTPRequest):
     state, body = await lm_request(request, "/v1/completions")
     config = state.config
-    prompt = field(body, "prompt", (str, list), required=True)
-    prompts = [prompt] if isinstance(prompt, str) else prompt
-    if not prompts or not all(isinstance(p, str) for p in prompts):
-        raise APIError(400, "'prompt' must be a string or a non-empty list of strings", param="prompt",
-                       code="invalid_type")
-    settings = generation_settings(body, config)
+    prompts = prompt_list(body, vocabulary(state))
+    echo = field(body, "echo", (bool,), False)
+    k = logprob_settings(body, chat=False)
+    settings = generation_settings(body, config, vocab=vocabulary(state), echo=echo)
+    settings.update(logprobs=k, echo=echo, constraint=await constraint_of(body, state))
     if len(prompts) * settings["n"] > config.max_prompts:
         raise APIError(400, f"{len(prompts)} prompts x n={settings['n']} exceeds the server's limit of "
                             f"{config.max_prompts} completions per request", param="n", code="invalid_value")
     jobs = make_requests(state, prompts, settings, "prompt")
     return await reply(request, state, jobs, settings, "completions", "cmpl", "text_completion", completion_chunk,
-                       lambda i, t, f: {"index": i, "text": t, "logprobs": None, "finish_reason": f})
+                       lambda c: {"index": c.index, "text": c.text, "logprobs": c.logprobs(),
+                                  "finish_reason": c.finish_reason})
 
 
 async def chat(request: HTTPRequest):
@@ -72,41 +88,111 @@ async def chat(request: HTTPRequest):
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects with string "
                             "role and content", param="messages", code="invalid_type")
     prompt = "".join(m["content"] + "\n" for m in messages)  # no chat template: plain concatenation
-    settings = generation_settings(body, config, default_max_tokens=config.max_tokens)
+    k = logprob_settings(body, chat=True)
+    settings = generation_settings(body, config, default_max_tokens=config.max_tokens, vocab=vocabulary(state))
+    settings.update(logprobs=k, echo=False, constraint=await constraint_of(body, state))
     settings["max_tokens"] = min(settings["max_tokens"], max(1, state.model.config.max_seq_len - len(
         encode(state, prompt, "messages")) - 1))
     jobs = make_requests(state, [prompt], settings, "messages")
     return await reply(request, state, jobs, settings, "chat", "chatcmpl", "chat.completion", chat_chunk,
-                       lambda i, t, f: {"index": i, "message": {"role": "assistant", "content": t},
-                                        "finish_reason": f})
+                       lambda c: {"index": c.index, "message": {"role": "assistant", "content": c.text},
+                                  "logprobs": c.logprobs(), "finish_reason": c.finish_reason})
 
 
-async def reply(request: HTTPRequest, state: ServerState, jobs, settings: dict, route: str, id_prefix: str,
-                object_name: str, chunk_builder, choice):
+async def constraint_of(body: dict, state: ServerState):  # noqa: ANN201 - a function making constraints, or None
+    """What ``response_format`` asks of the output: None for free text (absent, or ``{"type": "text"}``), else a
+    function making a fresh :class:`~tokenloom.generation.constraints.Constraint` (one per engine request: it is
+    stateful). ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` (OpenAI's),
+    and tokenloom's ``{"type": "regex", "regex": "..."}`` and ``{"type": "choice", "choice": ["...", ...]}``. The
+    spec is compiled here, off the event loop (a JSON object grammar over a large vocabulary takes seconds the first
+    time, then comes from a cache); one that does not compile, or that the tokenizer cannot spell, is a 400."""
+    response_format = field(body, "response_format", (dict,), None)
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind not in RESPONSE_FORMATS:
+        raise APIError(400, f"'response_format' type must be one of {', '.join(RESPONSE_FORMATS)}, got "
+                            f"{json.dumps(kind)[:40]}", param="response_format", code="invalid_value")
+    if kind == "text":
+        return None
+    spec = _constraint_spec(kind, response_format)
+    try:
+        from ...generation.constraints import ConstraintError, build_constraint
+    except ImportError:  # pragma: no cover - outlines-core is part of the serve extra
+        raise APIError(400, "structured output needs outlines-core (pip install 'tokenloom[serve]')",
+                       param="response_format", code="unsupported_value") from None
+    tokenizer, vocab = state.tokenizer, state.model.config.vocab_size
+    eos = getattr(tokenizer, "eos_id", None)
+
+    def make():  # noqa: ANN202 - a Constraint
+        return build_constraint(tokenizer, vocab, eos_id=eos, **spec)
+
+    try:
+        await asyncio.get_running_loop().run_in_executor(None, make)  # compiled (and cached) once, here
+    except ConstraintError as err:
+        raise APIError(400, f"'response_format': {err}", param="response_format", code="invalid_value") from None
+    return make
+
+
+def _constraint_spec(kind: str, response_format: dict) -> dict:
+    """``build_constraint``'s keyword for a ``response_format`` of ``kind`` (not text), its size checked."""
+    if kind == "json_object":
+        return {"json_object": True}
+    if kind == "json_schema":
+        inner = response_format.get("json_schema")
+        schema = inner.get("schema") if isinstance(inner, dict) else None
+        if not isinstance(schema, dict):
+            raise APIError(400, "'response_format' json_schema needs {\"json_schema\": {\"schema\": {...}}}",
+                           param="response_format", code="invalid_value")
+        if len(json.dumps(schema)) > MAX_SCHEMA_BYTES:
+            raise APIError(400, f"'response_format' schema is over {MAX_SCHEMA_BYTES} bytes",
+                           param="response_format", code="invalid_value")
+        return {"json_schema": schema}
+    if kind == "regex":
+        regex = response_format.get("regex")
+        if not isinstance(regex, str) or not 0 < len(regex) <= MAX_REGEX:
+            raise APIError(400, f"'response_format' regex must be a string of 1-{MAX_REGEX} characters",
+                           param="response_format", code="invalid_value")
+        return {"regex": regex}
+    choice = response_format.get("choice")
+    if not (isinstance(choice, list) and 0 < len(choice) <= MAX_CHOICES
+            and all(isinstance(c, str) and 0 < len(c) <= 256 for c in choice)):
+        raise APIError(400, f"'response_format' choice must be a list of 1-{MAX_CHOICES} non-empty strings of at "
+                            "most 256 characters", param="response_format", code="invalid_value")
+    return {"choice": choice}
+
+
+async def reply(request: HTTPRequest, state: ServerState, jobs: list[PromptJob], settings: dict, route: str,
+                id_prefix: str, object_name: str, chunk_builder, choice):
     """Run the jobs on the engine and answer: server-sent events (``chunk_builder(id, created, model, index, text,
-    finish)`` per delta) when the request streams, else one reply of ``choice(index, text, finish)`` per choice."""
+    finish, logprobs)`` per piece) when the request streams, else one reply of ``choice(Choice)`` per choice."""
     config = state.config
     started = await submit(state, jobs, settings)
     state.metrics.count_request(route)
+    style = None if settings["logprobs"] is None else route
+    echoes = {index: job.text for job in jobs for index, _ in job.choices} if settings["echo"] else {}
+    choices = {index: Choice(index, r, state.tokenizer, style, echoes.get(index)) for index, r, _ in started}
     rid, created = f"{id_prefix}-{uuid.uuid4().hex[:24]}", int(time.time())
     chunk = partial(chunk_builder, rid, created, config.model_name)
     if settings["stream"]:
-        return StreamingResponse(state.metrics.timed(stream(started, chunk, settings["include_usage"]), started),
-                                 media_type="text/event-stream")
-    results = await state.metrics.timed_collect(while_connected(request, collect(started), started), started)
+        return StreamingResponse(state.metrics.timed(stream(started, choices, chunk, settings["include_usage"]),
+                                                     started), media_type="text/event-stream")
+    await state.metrics.timed_collect(while_connected(request, collect(started, choices), started), started)
     return {"id": rid, "object": object_name, "created": created, "model": config.model_name,
-            "choices": [choice(i, t, f) for i, t, f in sorted(results)], "usage": usage(started)}
+            "choices": [choice(choices[i]) for i in sorted(choices)], "usage": usage(started)}
 
 
-def completion_chunk(rid: str, created: int, model_name: str, index: int, text: str, finish: str | None) -> dict:
+def completion_chunk(rid: str, created: int, model_name: str, index: int, text: str, finish: str | None,
+                     logprobs: dict | None = None) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model_name,
-            "choices": [{"index": index, "text": text, "logprobs": None, "finish_reason": finish}]}
+            "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
 
 
-def chat_chunk(rid: str, created: int, model_name: str, index: int, text: str, finish: str | None) -> dict:
+def chat_chunk(rid: str, created: int, model_name: str, index: int, text: str, finish: str | None,
+               logprobs: dict | None = None) -> dict:
     delta = {"role": "assistant", "content": text} if text or finish is None else {}
     return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model_name,
-            "choices": [{"index": index, "delta": delta, "finish_reason": finish}]}
+            "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
 
 
 # --- prompts to engine requests -----------------------------------------------------------------------------------
@@ -128,40 +214,109 @@ def encode(state: ServerState, text: str, param: str) -> list[int]:
     return ids
 
 
-def make_requests(state: ServerState, prompts: list[str], settings: dict,
-                  param: str) -> list[tuple[int, list[int], GenerationConfig]]:
-    """(choice index, prompt ids, generation settings) of every choice: ``n`` per prompt."""
+def vocabulary(state: ServerState) -> int:
+    """Token ids a request may name: below the tokenizer's vocabulary when the model's is padded past it, else
+    below the model's."""
+    model_vocab = state.model.config.vocab_size
+    return vocabulary_limit(state.tokenizer, model_vocab) or model_vocab
+
+
+def _token_id(value: Any) -> int | None:
+    """A JSON token id: an integer (5.0 included, as JSON Schema counts it), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, int) else None
+
+
+def prompt_list(body: dict, vocab: int) -> list[str | list[int]]:
+    """The prompts of a completions body: a string, a list of strings, a list of token ids (one prompt) or a list
+    of lists of them, each id in [0, ``vocab``)."""
+    prompt = field(body, "prompt", (str, list), required=True)
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise APIError(400, "'prompt' must not be an empty list", param="prompt", code="invalid_type")
+    if all(isinstance(p, str) for p in prompt):
+        return prompt
+    rows = prompt if isinstance(prompt[0], list) else [prompt]
+    checked = []
+    for row in rows:
+        ids = [_token_id(t) for t in row] if isinstance(row, list) else [None]
+        if not ids or None in ids:
+            raise APIError(400, "'prompt' must be a string, a non-empty list of strings, a non-empty list of token "
+                                "ids or a non-empty list of such lists", param="prompt", code="invalid_type")
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise APIError(400, f"'prompt' holds token id {short_number(bad)}, outside the vocabulary [0, {vocab})",
+                           param="prompt", code="invalid_value")
+        checked.append(ids)
+    return checked
+
+
+@dataclass
+class PromptJob:
+    """One prompt of a request and its choices."""
+
+    ids: list[int]  # the prompt's token ids
+    text: str  # its text (what echo returns): the prompt as given, or its ids decoded
+    choices: list[tuple[int, GenerationConfig]]  # (choice index, settings) of each of its n samples
+
+
+def make_requests(state: ServerState, prompts: list[str | list[int]], settings: dict, param: str) -> list[PromptJob]:
+    """Each prompt's ids and its ``n`` choices' settings (choice j seeded with seed + j)."""
     context = state.model.config.max_seq_len
     out = []
-    for p, text in enumerate(prompts):
-        ids = encode(state, text, param)
+    for p, prompt in enumerate(prompts):
+        ids = encode(state, prompt, param) if isinstance(prompt, str) else prompt
         if len(ids) >= context:
             raise APIError(400, f"the prompt is {len(ids)} tokens; the model's context is {context} (prompt "
                                 "plus at least one new token must fit)", param=param,
                            code="context_length_exceeded")
+        text = prompt if isinstance(prompt, str) else \
+            (state.tokenizer.decode(ids) if settings["echo"] else "")
+        choices = []
         for j in range(settings["n"]):
-            seed = offset_seed(settings["seed"], j)
-            gen = GenerationConfig(max_new_tokens=settings["max_tokens"], temperature=settings["temperature"],
+            gen = GenerationConfig(max_new_tokens=max(1, settings["max_tokens"]), temperature=settings["temperature"],
                                    do_sample=settings["temperature"] > 0,
                                    top_p=settings["top_p"] if settings["top_p"] < 1 else None,
-                                   top_k=settings["top_k"], seed=seed)
-            out.append((p * settings["n"] + j, ids, gen))
+                                   top_k=settings["top_k"], seed=offset_seed(settings["seed"], j),
+                                   presence_penalty=settings["presence_penalty"],
+                                   frequency_penalty=settings["frequency_penalty"], logit_bias=settings["logit_bias"])
+            choices.append((p * settings["n"] + j, gen))
+        out.append(PromptJob(ids, text, choices))
     return out
 
 
-async def submit(state: ServerState, jobs, settings) -> list[tuple[int, Request, asyncio.Queue]]:
-    """Submit the jobs to the engine: (choice index, request, its event queue) each; 429 when the queue is
-    full (the ones already queued are cancelled)."""
+async def submit(state: ServerState, jobs: list[PromptJob], settings) -> list[tuple[int, Request, asyncio.Queue]]:
+    """Submit the jobs to the engine: (choice index, request, its event queue) each; the n choices of a prompt go
+    as one request with n - 1 ``siblings`` (the prompt prefilled once). 429 when the queue is full (the ones already
+    queued are cancelled)."""
     started = []
     deadline = time.monotonic() + state.config.request_timeout
+    score_only = settings["max_tokens"] == 0
+    k = settings["logprobs"]
     try:
-        for index, ids, gen in jobs:
-            events: asyncio.Queue = asyncio.Queue()
-            # put_nowait runs on this loop: the engine hands its events over through dispatch()
-            request = Request(ids, gen, events.put_nowait, deadline=deadline, stop_strings=settings["stop"],
-                              speculative=settings["speculative"])
-            state.engine.submit(request)
-            started.append((index, request, events))
+        for job in jobs:
+            group = []
+            for index, gen in job.choices:
+                events: asyncio.Queue = asyncio.Queue()
+                # put_nowait runs on this loop: the engine hands its events over through dispatch()
+                request = Request(job.ids, gen, events.put_nowait, deadline=deadline, stop_strings=settings["stop"],
+                                  # the penalties count exact histories: no speculative verification for them
+                                  speculative=settings["speculative"] and gen.speculative_conflict() is None,
+                                  logprobs=k, echo=settings["echo"] and k is not None, score_only=score_only,
+                                  constraint=None if settings["constraint"] is None else settings["constraint"]())
+                group.append((index, request, events))
+            if score_only:  # (no token is chosen: nothing to fork)
+                for item in group:
+                    state.engine.submit(item[1])
+                    started.append(item)
+                continue
+            group[0][1].siblings = [request for _, request, _ in group[1:]]
+            state.engine.submit(group[0][1])
+            started.extend(group)
     except QueueFull as err:
         for _, request, _ in started:
             request.cancel()
@@ -174,7 +329,8 @@ async def submit(state: ServerState, jobs, settings) -> list[tuple[int, Request,
 def usage(started) -> dict:
     prompt = sum(len(r.prompt_ids) for _, r, _ in started)
     completion = sum(len(r.new_ids) for _, r, _ in started)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": sum(r.cached_tokens for _, r, _ in started)}}
 
 
 async def next_event(request: Request, events: asyncio.Queue) -> tuple[str, Any]:
@@ -190,27 +346,40 @@ async def next_event(request: Request, events: asyncio.Queue) -> tuple[str, Any]
         return "error", "the request took longer than the server's request timeout"
 
 
-async def collect(started) -> list[tuple[int, str, str]]:
-    """(index, text, finish_reason) of every request, waiting for all."""
-    results = []
+def pieces(choice: Choice, kind: str, value: str) -> list[tuple[str, str | None, dict | None]]:
+    """A choice's event as (text, finish_reason, logprobs) pieces: with echo, the prompt first (at the first event,
+    once the prompt's log-probabilities are known), then the delta, or at ``done`` the end."""
+    out = []
+    opened = choice.open()
+    if opened is not None:
+        out.append((opened[0], None, opened[1]))
+    if kind == "delta":
+        out.append((value, None, choice.delta(value)))
+    elif kind == "done":
+        out.append(("", value, choice.finish(value)))
+    return out
+
+
+def failure(request: Request, message: str) -> APIError:
+    timeout = request.finish_reason == "timeout"
+    return APIError(504 if timeout else 500, message, type_="server_error",
+                    code="timeout" if timeout else "generation_failed")
+
+
+async def collect(started, choices: dict[int, Choice]) -> None:
+    """Wait for every request, its text and log-probabilities gathered in its :class:`Choice`."""
     try:
         for index, request, events in started:
-            text = []
             while True:
                 kind, value = await next_event(request, events)
-                if kind == "delta":
-                    text.append(value)
-                elif kind == "done":
-                    results.append((index, "".join(text), value))
+                if kind == "error":
+                    raise failure(request, value)
+                pieces(choices[index], kind, value)
+                if kind == "done":
                     break
-                else:
-                    raise APIError(504 if request.finish_reason == "timeout" else 500, value,
-                                   type_="server_error", code="timeout" if request.finish_reason == "timeout"
-                                   else "generation_failed")
     finally:
         for _, request, _ in started:
             request.cancel()  # no-op for finished ones; frees the rest (an error, a cancelled handler)
-    return results
 
 
 async def while_connected(http_request: HTTPRequest, work, started):
@@ -241,23 +410,21 @@ async def disconnected(request: HTTPRequest) -> None:
         await asyncio.sleep(0.05)  # (a server that repeats empty body messages: do not spin)
 
 
-async def stream(started, chunk, final_usage: bool) -> AsyncIterator[bytes]:
-    """Server-sent events: one chunk per text delta, in order of arrival across the choices."""
+async def stream(started, choices: dict[int, Choice], chunk, final_usage: bool) -> AsyncIterator[bytes]:
+    """Server-sent events: one chunk per piece (:func:`pieces`), in order of arrival across the choices."""
     pending = {index: (request, events) for index, request, events in started}
     if len(started) == 1:  # one choice (the common case): await its queue directly, no task per event
         index, request, events = started[0]
         try:
             while True:
                 kind, value = await next_event(request, events)
-                if kind == "delta":
-                    yield sse(chunk(index, value, None))
-                    continue
+                if kind == "error":
+                    yield sse(failure(request, value).body())
+                    break
+                for text, finish, logprobs in pieces(choices[index], kind, value):
+                    yield sse(chunk(index, text, finish, logprobs))
                 if kind == "done":
-                    yield sse(chunk(index, "", value))
-                else:
-                    yield sse(APIError(504 if request.finish_reason == "timeout" else 500, value,
-                                       type_="server_error").body())
-                break
+                    break
             if final_usage:
                 yield sse({**chunk(0, "", None), "choices": [], "usage": usage(started)})
             yield b"data: [DONE]\n\n"
@@ -272,14 +439,13 @@ async def stream(started, chunk, final_usage: bool) -> AsyncIterator[bytes]:
             for index in [i for i, w in waiters.items() if w in done]:
                 kind, value = waiters.pop(index).result()
                 request = pending[index][0]
+                if kind == "error":
+                    yield sse(failure(request, value).body())
+                    continue
+                for text, finish, logprobs in pieces(choices[index], kind, value):
+                    yield sse(chunk(index, text, finish, logprobs))
                 if kind == "delta":
-                    yield sse(chunk(index, value, None))
                     waiters[index] = asyncio.ensure_future(next_event(request, pending[index][1]))
-                elif kind == "done":
-                    yield sse(chunk(index, "", value))
-                else:
-                    yield sse(APIError(504 if request.finish_reason == "timeout" else 500, value,
-                                       type_="server_error").body())
         if final_usage:
             yield sse({**chunk(0, "", None), "choices": [], "usage": usage(started)})
         yield b"data: [DONE]\n\n"
