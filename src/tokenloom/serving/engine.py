@@ -418,10 +418,12 @@ class Engine:
                 slot.resumed = False
                 self._join_speculation(slot)
                 continue
-            if was_prefilling and request.score_only:
-                request.finish_reason = "length"
-                request.first_token_at = time.monotonic()
-                self._emit(request, ("done", "length"))
+            if was_prefilling and request.score_only:  # (its siblings, if any, end with it: nothing to sample)
+                for scored in (request, *request.siblings):
+                    scored.prompt_logprobs = list(request.prompt_logprobs)
+                    scored.cached_tokens, scored.finish_reason = request.cached_tokens, "length"
+                    scored.first_token_at = time.monotonic()
+                    self._emit(scored, ("done", "length"))
                 continue
             chosen.append(slot)
             rows.append(b - 1)
