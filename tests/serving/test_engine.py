@@ -22,30 +22,35 @@ class Letters:
         return "".join(chr(97 + i) for i in ids)
 
 
-def run_all(engine, jobs):
-    """Submit (prompt ids, config, stop strings) jobs; wait; return (text, finish reason) per job."""
-    results = [None] * len(jobs)
-    done = threading.Event()
-    pending = [len(jobs)]
-    lock = threading.Lock()
+def collect(engine, requests, timeout=60):
+    """Submit ``requests`` (their emit replaced); wait for every one, siblings included -> (text, finish reason or
+    "error: ...") per request, siblings after their leader."""
+    results, done, lock = {}, threading.Event(), threading.Lock()
+    everyone = [r for q in requests for r in [q, *q.siblings]]
 
-    def sink(i, texts):
+    def sink(request, texts):
         def emit(event):
             kind, value = event
             if kind == "delta":
                 texts.append(value)
                 return
-            results[i] = ("".join(texts), value if kind == "done" else "error: " + value)
             with lock:
-                pending[0] -= 1
-                if not pending[0]:
+                results[id(request)] = ("".join(texts), value if kind == "done" else "error: " + value)
+                if len(results) == len(everyone):
                     done.set()
         return emit
 
-    for i, (ids, config, stops) in enumerate(jobs):
-        engine.submit(Request(ids, config, sink(i, []), stop_strings=stops))
-    assert done.wait(60)
-    return results
+    for r in everyone:
+        r.emit = sink(r, [])
+    for r in requests:
+        engine.submit(r)
+    assert done.wait(timeout), f"{len(results)} of {len(everyone)} requests finished"
+    return [results[id(r)] for r in everyone]
+
+
+def run_all(engine, jobs):
+    """Submit (prompt ids, config, stop strings) jobs; wait; return (text, finish reason) per job."""
+    return collect(engine, [Request(ids, config, None, stop_strings=stops) for ids, config, stops in jobs])
 
 
 def assert_offline(model, jobs, results):

@@ -1,42 +1,15 @@
 """The paged engine: preemption by recompute, prefix caching, chunked prefill, n samples sharing blocks, log-
 probabilities and echo give the offline results, and every block comes back."""
 
-import threading
 import time
 
 import pytest
 import torch
 
 from tests.generation.helpers import small_model
-from tests.serving.test_engine import Letters, assert_offline, run_all
+from tests.serving.test_engine import Letters, assert_offline, collect, run_all
 from tokenloom import GenerationConfig, generate
 from tokenloom.serving import Engine, Request
-
-
-def collect(engine, requests, timeout=60):
-    """Submit ``requests`` (their emit replaced); wait for every one (siblings included) -> {id(request): (text,
-    finish)}."""
-    results, done, lock = {}, threading.Event(), threading.Lock()
-    everyone = [r for q in requests for r in [q, *q.siblings]]
-
-    def sink(request, texts):
-        def emit(event):
-            kind, value = event
-            if kind == "delta":
-                texts.append(value)
-                return
-            with lock:
-                results[id(request)] = ("".join(texts), value if kind == "done" else "error: " + value)
-                if len(results) == len(everyone):
-                    done.set()
-        return emit
-
-    for r in everyone:
-        r.emit = sink(r, [])
-    for r in requests:
-        engine.submit(r)
-    assert done.wait(timeout), f"{len(results)} of {len(everyone)} requests finished"
-    return [results[id(r)] for r in everyone]
 
 
 def all_blocks_back(engine, timeout=5.0):
