@@ -32,6 +32,7 @@ from ..nn.block import StepFunctions, step_functions
 from ..nn.dropout import Dropout
 from ..nn.kv_cache import DecodeCache, RaggedView, RollingKVCache, SegmentMemory
 from ..nn.masks import KeySpan, positions_from_mask, sequence_span
+from ..nn.paged import PagedView
 from ..nn.quantized import embedding_rows, reference_tensor
 from ..nn.sliding import Window, plan_attention
 from .counting import CountsParameters
@@ -296,12 +297,13 @@ class GPT(CountsParameters, nn.Module):
     def decode_steps(self, cache: DecodeCache | None, T: int, need_weights: bool = False) -> StepFunctions | None:
         """The plain step functions for ``cache`` and T positions per row, or None where the modules run (training,
         more than :data:`STEP_POSITIONS` positions, weights asked for, a cache strategy that wants the modules, forward
-        hooks). T > 1 is a call of a few positions after cached ones in a dense cache or a server's ragged rows
-        (speculative decoding's verification of k drafts): the same functions over B * T rows, with the call's causal
-        context; a prefill (nothing cached yet) runs the modules, as whole sequences do."""
+        hooks). T > 1 is a call of a few positions after cached ones in a dense cache, or a server's ragged or paged
+        rows (speculative verifications of k drafts, short prompt chunks): the same functions over B * T rows, with
+        the call's causal context; a dense prefill (nothing cached yet) runs the modules, as whole sequences do."""
         if not 1 <= T <= STEP_POSITIONS or cache is None or not cache.plain or need_weights or self.training:
             return None
-        if T > 1 and not (isinstance(cache, KVCache) and cache.length) and not isinstance(cache, RaggedView):
+        if T > 1 and not (isinstance(cache, KVCache) and cache.length) and \
+                not isinstance(cache, (RaggedView, PagedView)):
             return None
         return step_functions(self, cache, self._decoder_parts, T)
 
