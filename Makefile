@@ -3,7 +3,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 BIN := $(VENV)/bin
 
-.PHONY: docs install demo test test-kernels test-fuzz test-all wheel-test lint bench tour-figures clean
+.PHONY: docs install demo test test-kernels test-fuzz test-lm-eval test-all wheel-test lint bench tour-figures clean
 
 install: $(VENV)/.installed
 
@@ -53,6 +53,19 @@ test-kernels: install
 # The fuzzers again, long and with fresh random examples (make test runs them short and derandomised).
 test-fuzz: install
 	HYPOTHESIS_PROFILE=fuzz $(PY) -m pytest -m fuzz -p no:cacheprovider
+
+# lm-evaluation-harness as a real client of `tokenloom serve` (tests/serving/test_lm_eval.py): lm-eval pins its own
+# stack (datasets, pandas, ...), so it lives in its own environment, with this torch; the test finds it through
+# TOKENLOOM_LM_EVAL.
+LMEVAL_VENV ?= .venv-lmeval
+$(LMEVAL_VENV)/.installed:
+	python3 -m venv $(LMEVAL_VENV)
+	$(LMEVAL_VENV)/bin/pip install -q --upgrade pip
+	$(LMEVAL_VENV)/bin/pip install -q torch==2.13.0 'lm-eval[api]==0.4.13' 'transformers>=4.40'
+	touch $@
+
+test-lm-eval: install $(LMEVAL_VENV)/.installed
+	TOKENLOOM_LM_EVAL=$(LMEVAL_VENV)/bin/lm_eval $(PY) -m pytest -m slow -p no:cacheprovider tests/serving/test_lm_eval.py
 
 test-all: install
 	$(PY) -m pytest -m ""

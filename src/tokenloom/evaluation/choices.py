@@ -6,7 +6,7 @@ so that its numbers can be checked against an ``lm_eval --model local-completion
     tokenizer = load_tokenizer("checkpoints/shakespeare-char")
     results = score_choices(model, tokenizer, [{"context": "...", "choices": ["...", ...], "label": 0}, ...])
     results[0]["loglikelihoods"], results[0]["is_greedy"], results[0]["pred"], results[0]["acc"]
-    choice_accuracy(results)        # {"acc": 61.5, "acc_norm": 60.0, "count": 200}: 0-100, as the other metrics
+    choice_accuracy(results)        # {"acc": 61.5, "acc_norm": 65.5, ...}: 0-100, as the other metrics
 
 Per request ``(context, target_delimiter + choice)``, as lm-eval does for a causal model:
 
