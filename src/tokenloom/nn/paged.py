@@ -11,7 +11,8 @@ PagedAttention, Kwon et al. 2023), for a server that packs requests of any lengt
   of T-token segments, a chunked prefill mixed with decode rows a (1, N) call whose segments are the prompts' chunks
   and the running rows' newest tokens: the linear layers then run over exactly the tokens of the step.
 * Attention (:class:`PagedLayout`, planned once per forward and shared by every layer): the segments are grouped by
-  their token count and their sequences' block counts (within a factor of 2), and each group attends as one batch:
+  their token count (and, where one batch would gather far more blocks than its sequences hold, their block counts
+  within a factor of 2), and each group attends as one batch:
   its sequences' blocks gathered into (G, Hkv, S, D) (one copy of the keys and values the step reads), the mask from
   the one builder :func:`~.masks.attention_mask` (causal over each row's own columns, with the position scheme's
   score bias and a sliding window where the model has them), the one-query kernel for one-token groups.
@@ -142,12 +143,19 @@ class PagedLayout:
         self.slots = (view.tables[row, self.columns // bs], self.columns % bs)
         self.keys = int((lengths + counts).max())
         self.groups: list[_Group] = []
-        # groups: segments of one size whose sequences need blocks within a factor of 2 of each other (gathering a
-        # short sequence to the longest one's blocks wastes the copy and the attention: 48 rows of 16-1024 tokens
-        # ran 0.69x the slot layout's speed with one group)
-        members: dict[tuple[int, int], list[int]] = {}
+        # groups: segments of one size; where gathering every sequence to the longest one's blocks would copy over
+        # 1.5x the blocks they hold, split further into sequences whose block counts are within 2x of each other
+        # (48 rows of 16-1024 tokens in one group ran 0.69x the slot layout's speed; a group more costs a call of
+        # each kernel per layer)
+        sizes: dict[int, list[tuple[int, int]]] = {}
         for r, (c, end) in enumerate(zip(counts.tolist(), (lengths + counts).tolist(), strict=True)):
-            members.setdefault((c, (-(-end // bs) - 1).bit_length()), []).append(r)
+            sizes.setdefault(c, []).append((r, -(-end // bs)))
+        members: dict[tuple[int, int], list[int]] = {}
+        for c, rows_blocks in sizes.items():
+            blocks = [b for _, b in rows_blocks]
+            split = max(blocks) * len(blocks) > 1.5 * sum(blocks)
+            for r, b in rows_blocks:
+                members.setdefault((c, (b - 1).bit_length() if split else 0), []).append(r)
         whole = len(members) == 1  # one group: its tokens are the call's, in order
         for (n, _), listed in sorted(members.items()):
             rows = torch.arange(len(listed), device=device) if whole else torch.tensor(listed, device=device)

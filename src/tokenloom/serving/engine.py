@@ -498,11 +498,13 @@ class Engine:
         """Register the slot's newly filled blocks in the prefix cache; a block whose tokens another block holds
         already is replaced by that one (the duplicate freed)."""
         bs = self.block_size
-        sequence = slot.request.prompt_ids + slot.request.new_ids
-        full = min(slot.length, len(sequence)) // bs  # (a request cut by a stop: its columns past its tokens)
+        request = slot.request
+        # (a request cut by a stop: its columns past its tokens)
+        full = min(slot.length, len(request.prompt_ids) + len(request.new_ids)) // bs
         if full <= slot.registered or not self.prefix_caching:
             slot.registered = max(slot.registered, full)
             return
+        sequence = request.prompt_ids + request.new_ids
         keys = self.blocks.block_keys(sequence[:full * bs])
         for i in range(slot.registered, full):
             held = self.blocks.register(slot.table[i], keys[i])
