@@ -14,6 +14,9 @@ The model is a random 6-layer, 384-wide GPT (rotary positions, a 2,048-token con
 vocabulary of 65): speed and memory do not depend on the weights, and equal outputs between two configurations are
 as telling with random weights. ``--threads`` torch threads (default: all). Exit status 1 when texts differ.
 
+* ``attention``: one layer's decode-step attention over paged blocks, the blocks gathered into one batch (what
+  ``tokenloom.nn.paged`` does) against block-wise attention and against dense rows read in place (the slot layout).
+
     python benchmarks/bench_paged.py                      # both scenarios
     python benchmarks/bench_paged.py --scenario prefix --clients 32 --json paged.json
 """
@@ -170,9 +173,75 @@ def mixed_scenario(model: GPT, args: argparse.Namespace) -> tuple[dict, bool]:
     return summary, same
 
 
+def _best_ms(fn, n: int = 10) -> float:
+    fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1000 * min(times)
+
+
+def _attention_case(G: int, nb: int, H: int = 6, D: int = 64, bs: int = 16) -> dict:
+    """G rows of nb blocks: the three ways' best times (ms) and whether they agree."""
+    import torch.nn.functional as F
+
+    S = nb * bs - 5
+    gen = torch.Generator().manual_seed(G)
+    pool = torch.randn(H, G * nb + 8, bs, D, generator=gen)  # head-major, as the cache keeps it
+    blocks_first = pool.transpose(0, 1).contiguous()  # block-major, for the block-wise variant
+    flat = torch.randperm(G * nb + 8, generator=gen)[:G * nb]
+    q = torch.randn(G, H, 1, D, generator=gen)
+    mask = torch.zeros(G, 1, 1, S)
+    head_major = [torch.empty(H, G * nb, bs, D) for _ in range(2)]
+    block_major = [torch.empty(G * nb, H, bs, D) for _ in range(2)]
+    dense = pool.index_select(1, flat).view(H, G, nb * bs, D).transpose(0, 1).contiguous()
+
+    def gathered() -> torch.Tensor:  # keys and values gathered (the same pool stands for both)
+        for buffer in head_major:
+            torch.index_select(pool, 1, flat, out=buffer)
+        k = head_major[0].view(H, G, nb * bs, D)[:, :, :S]
+        v = head_major[1].view(H, G, nb * bs, D)[:, :, :S]
+        return F.scaled_dot_product_attention(q.transpose(0, 1), k, v, attn_mask=mask.transpose(0, 1)).transpose(0, 1)
+
+    def blockwise() -> torch.Tensor:
+        for buffer in block_major:
+            torch.index_select(blocks_first, 0, flat, out=buffer)
+        k, v = (b.view(G, nb, H, bs, D) for b in block_major)
+        s = torch.matmul(q.unsqueeze(1), k.transpose(-1, -2))  # (G, nb, H, 1, bs)
+        s = s.permute(0, 2, 3, 1, 4).reshape(G, H, 1, nb * bs)[..., :S] / math.sqrt(D) + mask
+        p = F.pad(s.softmax(-1), (0, nb * bs - S)).view(G, H, 1, nb, bs).permute(0, 3, 1, 2, 4)
+        return torch.matmul(p, v).sum(1)
+
+    def in_place() -> torch.Tensor:
+        return F.scaled_dot_product_attention(q, dense[:, :, :S], dense[:, :, :S], attn_mask=mask)
+
+    reference = in_place()
+    agree = all(torch.allclose(f(), reference, atol=1e-5) for f in (gathered, blockwise))
+    return {"gathered_ms": _best_ms(gathered), "blockwise_ms": _best_ms(blockwise), "dense_ms": _best_ms(in_place),
+            "agree": agree}
+
+
+def attention_scenario(args: argparse.Namespace) -> tuple[dict, bool]:
+    """One decode step's attention of one layer (6 heads of 64, blocks of 16, a query per row) three ways: the rows'
+    blocks gathered into one batch then the fused kernel (what tokenloom.nn.paged does), block-wise (the blocks
+    gathered block-major, scores per block by batched products, one softmax over them), and the slot layout's
+    dense rows read in place (no gather: the floor). All three must agree."""
+    rows, ok = {}, True
+    print("\nattention: one layer's decode step over paged blocks (6 heads x 64, blocks of 16), ms")
+    print(f"{'rows x blocks':<15}{'gathered':>10}{'block-wise':>12}{'dense':>8}")
+    for G, nb in ((16, 10), (64, 35)):
+        row = rows[f"{G}x{nb}"] = _attention_case(G, nb)
+        ok &= row["agree"]
+        print(f"{f'{G} x {nb}':<15}{row['gathered_ms']:>10.2f}{row['blockwise_ms']:>12.2f}{row['dense_ms']:>8.2f}"
+              + ("" if row["agree"] else "  DIFFER"))
+    return rows, ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--scenario", choices=["prefix", "mixed", "all"], default="all")
+    parser.add_argument("--scenario", choices=["prefix", "mixed", "attention", "all"], default="all")
     parser.add_argument("--clients", type=int, default=64, help="prefix: requests sharing the system prompt (64)")
     parser.add_argument("--system", type=int, default=512, help="prefix: system prompt tokens (512)")
     parser.add_argument("--max-tokens", type=int, default=16, help="prefix: tokens per request (16)")
@@ -195,6 +264,9 @@ def main(argv: list[str] | None = None) -> int:
         ok &= same
     if args.scenario in ("mixed", "all"):
         results["mixed"], same = mixed_scenario(model, args)
+        ok &= same
+    if args.scenario in ("attention", "all"):
+        results["attention"], same = attention_scenario(args)
         ok &= same
     report_load_and_save(results, load, m.threads, args.json)
     return 0 if ok else 1
