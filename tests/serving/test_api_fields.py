@@ -532,3 +532,14 @@ def test_response_format_regex_and_choice_keep_the_output_in_them(client):
                                   "response_format": {"type": "choice", "choice": ["Aye", "Nay, my lord"]}}, CHAT)
     assert status == 200, reply
     assert reply["choices"][0]["message"]["content"] in ("Aye", "Nay, my lord")
+
+
+def test_a_prompt_larger_than_the_kv_cache_is_a_400_and_the_server_goes_on(shakes):
+    with _client(shakes, block_size=4, kv_blocks=5) as small:  # 20 positions in all
+        status, reply = post(small, {"prompt": "ROMEO: " * 4, "max_tokens": 2})
+        assert status == 400 and reply["error"]["code"] == "context_length_exceeded", reply
+        assert "KV cache holds 20 positions" in reply["error"]["message"]
+        status, reply = post(small, {"prompt": "ROMEO:", "max_tokens": 8})
+        assert status == 200 and reply["usage"]["completion_tokens"] == 8
+        health = small.get("/health").json()
+        assert not health.get("active") and not health.get("queued")

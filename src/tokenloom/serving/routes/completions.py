@@ -274,6 +274,10 @@ def make_requests(state: ServerState, prompts: list[str | list[int]], settings: 
             raise APIError(400, f"the prompt is {len(ids)} tokens; the model's context is {context} (prompt "
                                 "plus at least one new token must fit)", param=param,
                            code="context_length_exceeded")
+        if len(ids) > state.engine.max_prompt_tokens:
+            raise APIError(400, f"the prompt is {len(ids)} tokens; the server's KV cache holds "
+                                f"{state.engine.max_prompt_tokens + 1} positions in all (--kv-blocks x --block-size)",
+                           param=param, code="context_length_exceeded")
         text = prompt if isinstance(prompt, str) else \
             (state.tokenizer.decode(ids) if settings["echo"] else "")
         choices = []
