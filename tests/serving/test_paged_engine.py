@@ -219,3 +219,36 @@ def test_a_constrained_request_keeps_to_its_regex_and_stops_once_complete():
         engine.stop()
     assert re.fullmatch(pattern, text) and reason == "stop"
     assert not re.fullmatch(pattern, other)  # the same seed unconstrained: random characters
+
+
+@pytest.mark.parametrize("when", ["queued", "prefilling"])
+def test_siblings_go_on_when_the_first_sample_is_cancelled(when):
+    """n samples whose leader is cancelled before its prompt is cached: the first live sibling takes its place (its
+    slot and blocks, when prefilling) and every other sample still finishes with its offline text."""
+    model = small_model(position="rope")
+    ids = prompts(1, 20, 20, seed=9)[0]
+    configs = [GenerationConfig(max_new_tokens=6, do_sample=True, seed=s) for s in range(3)]
+    engine = Engine(model, Letters(), max_batch=4, block_size=4, prefill_tokens=4)  # driven by hand: not started
+    siblings = [Request(ids, c, None) for c in configs[1:]]
+    leader = Request(ids, configs[0], lambda e: None, siblings=list(siblings))
+    events = {id(r): [] for r in siblings}
+    for r in siblings:
+        r.emit = events[id(r)].append
+    engine.submit(leader)
+    with torch.inference_mode():
+        engine._pull()
+        if when == "prefilling":
+            engine._admit()
+            engine._step()  # the first 4 of its 20 prompt tokens
+            assert engine.slots[0].length == 4
+        leader.cancel()
+        for _ in range(100):
+            engine._pull()
+            engine._admit()
+            if not engine.slots:
+                break
+            engine._step()
+    for r, config in zip(siblings, configs[1:], strict=True):
+        text = "".join(v for k, v in events[id(r)] if k == "delta")
+        assert events[id(r)][-1] == ("done", "length") and text == offline(model, ids, config)
+    assert engine.blocks.used == 0

@@ -278,6 +278,9 @@ class Engine:
             request = item.request if slot is not None else item
             if request.cancelled or self._late(request):
                 self.pending.popleft()
+                heir = self._heir(request)
+                if heir is not None:  # its siblings go on without it
+                    self.pending.appendleft(heir if slot is None else self._hand_over(slot, heir))
                 self._flush()
                 continue
             feed = slot.feed if slot is not None else request.prompt_ids
@@ -326,12 +329,30 @@ class Engine:
         return torch.Generator(device=self.device).manual_seed(config.seed)
 
     def _late(self, request: Request) -> bool:
-        """Ends ``request`` with a timeout error when its deadline has passed."""
+        """Ends ``request`` (and its siblings not started yet) with a timeout error when its deadline has passed."""
         if request.deadline is None or time.monotonic() <= request.deadline or request.finish_reason is not None:
             return False
-        request.finish_reason = "timeout"
-        self._emit(request, ("error", "the request waited longer than the server's request timeout"))
+        for late in (request, *request.siblings):
+            if late.finish_reason is None:
+                late.finish_reason = "timeout"
+                self._emit(late, ("error", "the request waited longer than the server's request timeout"))
         return True
+
+    @staticmethod
+    def _heir(request: Request) -> Request | None:
+        """The first sibling of a cancelled ``request`` still wanted (it takes the others over), or None."""
+        live = [s for s in request.siblings if not s.cancelled and s.finish_reason is None]
+        if not live:
+            return None
+        live[0].siblings, request.siblings = live[1:], []
+        return live[0]
+
+    def _hand_over(self, slot: _Slot, heir: Request) -> _Slot:
+        """``slot`` (a prompt not fully prefilled, its blocks kept) continues as ``heir``'s."""
+        gone = slot.request
+        slot.request, slot.processors, slot.generator = heir, self._processors(heir), self._generator(heir.config)
+        heir.cached_tokens, heir.prompt_logprobs = gone.cached_tokens, list(gone.prompt_logprobs)
+        return slot
 
     def _fail(self, request: Request, message: str) -> None:
         request.finish_reason = "error"
@@ -710,14 +731,19 @@ class Engine:
             self.dispatch(events)
 
     def _release(self) -> None:
-        """Hand over the step's events; release the blocks of finished and cancelled requests (a cancelled
-        request's siblings that never started are cancelled with it)."""
+        """Hand over the step's events; release the blocks of finished and cancelled requests (a cancelled request
+        still prefilling hands its slot to its first live sibling)."""
         self._flush()
         row = 0
         while row < len(self.slots):
-            request = self.slots[row].request
+            slot = self.slots[row]
+            request = slot.request
             if request.finish_reason is None and not request.cancelled:
                 row += 1
+                continue
+            heir = self._heir(request) if slot.last < 0 else None  # (siblings fork after the prompt's prefill)
+            if heir is not None:
+                self._hand_over(slot, heir)
                 continue
             self.blocks.release_all(self.slots[row].table)
             self.slots[row].table = []
