@@ -167,8 +167,12 @@ class Engine:
         per_request = -(-(self.max_len + extra) // block_size)
         self.kv_blocks = kv_blocks or max_batch * per_request
         L, _, _, Hkv, _, D = probe.kv.shape
-        check_kv_cache(c, 1, self.kv_blocks * block_size, probe.kv.element_size(),
-                       f"kv_blocks={self.kv_blocks} x block_size={block_size}", error=ConfigError)
+        if kv_blocks is None:  # refused in one line when it cannot fit in memory (tokenloom.budget)
+            check_kv_cache(c, max_batch, per_request * block_size, probe.kv.element_size(), f"max_batch={max_batch}",
+                           error=ConfigError)
+        else:
+            check_kv_cache(c, 1, kv_blocks * block_size, probe.kv.element_size(),
+                           f"kv_blocks={kv_blocks} x block_size={block_size}", error=ConfigError)
         self.pool = PagedKVCache(L, self.kv_blocks, Hkv, block_size, D, dtype=probe.kv.dtype, device=probe.kv.device)
         self.blocks = BlockManager(self.kv_blocks, block_size, prefix_caching)
         self.prefix_caching, self.prefill_tokens = prefix_caching, prefill_tokens
