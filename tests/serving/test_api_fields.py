@@ -543,3 +543,25 @@ def test_a_prompt_larger_than_the_kv_cache_is_a_400_and_the_server_goes_on(shake
         assert status == 200 and reply["usage"]["completion_tokens"] == 8
         health = small.get("/health").json()
         assert not health.get("active") and not health.get("queued")
+
+
+def test_the_tokenizer_routes_round_trip_and_refuse_bad_ids(client, shakes):
+    _, tokenizer = shakes
+    info = client.get("/tokenizer_info").json()
+    assert info["vocab_size"] == 65 and info["max_model_len"] == 256 and "eos_token" in info
+    r = client.post("/tokenize", json={"prompt": "ROMEO:", "add_special_tokens": False}).json()
+    assert r["tokens"] == tokenizer.encode("ROMEO:") and r["count"] == 6
+    assert client.post("/detokenize", json={"tokens": r["tokens"]}).json() == {"prompt": "ROMEO:"}
+    bad = client.post("/detokenize", json={"tokens": [1, 65]})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tokens" and "[0, 65)" in bad.text
+    bad = client.post("/tokenize", json={"prompt": "\u00e9"})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
+    assert client.post("/tokenize", content=b"x", headers={"Content-Type": "text/plain"}).status_code == 415
+
+
+def test_the_tokenizer_routes_are_behind_the_api_key(shakes):
+    with _client(shakes, api_key="sesame") as keyed:
+        assert keyed.post("/tokenize", json={"prompt": "A"}).status_code == 401
+        assert keyed.get("/tokenizer_info").status_code == 401
+        ok = keyed.post("/tokenize", json={"prompt": "A"}, headers={"Authorization": "Bearer sesame"})
+        assert ok.status_code == 200

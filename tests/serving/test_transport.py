@@ -278,7 +278,8 @@ def test_the_openapi_schema_is_public_and_describes_the_served_routes():
         r = client.get("/openapi.json")  # documentation: no key needed
         assert r.status_code == 200
         paths = r.json()["paths"]
-        assert set(paths) == {"/", "/health", "/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions"}
+        assert set(paths) == {"/", "/health", "/v1/models", "/metrics", "/v1/completions", "/v1/chat/completions",
+                              "/tokenize", "/detokenize", "/tokenizer_info"}
         body = paths["/v1/completions"]["post"]["requestBody"]["content"]["application/json"]["schema"]
         assert body["required"] == ["prompt"] and body["properties"]["max_tokens"]["maximum"] == 8
         prompt = body["properties"]["prompt"]["anyOf"][0]

@@ -19,6 +19,7 @@ from .checks import APIError, ClientGone, check_model, generation_settings, pars
 from .config import ServeConfig
 from .middleware import CatchAll, api_error, client_gone, guard, not_allowed, not_found
 from .routes import completions, system, translations
+from .routes import tokenizer as tokenizer_routes
 from .routes.translations import MAX_BEAM, MAX_INPUTS
 from .security import HostGuard
 from .state import ServerState
@@ -60,6 +61,7 @@ def create_app(model, tokenizer, config: ServeConfig, draft=None):  # noqa: ANN0
     # the schema lists the routes this model serves (the others answer 400 unsupported_model)
     completions.add_routes(app.router, state)
     translations.add_routes(app.router, state)
+    tokenizer_routes.add_routes(app.router, state)  # vLLM's /tokenize, /detokenize, /tokenizer_info (a language model)
 
     app.add_middleware(CatchAll, metrics=state.metrics)  # added last: the outermost, around every other middleware
     return app

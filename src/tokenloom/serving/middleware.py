@@ -40,12 +40,15 @@ async def client_gone(_request: HTTPRequest, _error: ClientGone) -> Response:
 
 # --- middleware ---------------------------------------------------------------------------------------------------
 
+KEYED = {"/metrics", "/tokenize", "/detokenize", "/tokenizer_info"}  # behind the API key, besides /v1/
+
+
 async def guard(request: HTTPRequest, call_next):
-    """The API key (on /v1/ and /metrics), a JSON content type on every POST route, the body-size limit announced by
-    Content-Length: checked before a route runs (the ``http`` middleware, innermost)."""
+    """The API key (on /v1/, /metrics and the tokenizer routes), a JSON content type on every POST route, the
+    body-size limit announced by Content-Length: checked before a route runs (the ``http`` middleware, innermost)."""
     state = server_state(request)
     path, key, config = request.url.path, state.api_key, state.config
-    if key is not None and (path.startswith("/v1/") or path == "/metrics"):
+    if key is not None and (path.startswith("/v1/") or path in KEYED):
         token = bearer_token(request.scope["headers"])  # raw bytes: a non-ASCII key sent as UTF-8 matches
         if not token:
             return state.error_response(401, "missing API key: send 'Authorization: Bearer KEY'",

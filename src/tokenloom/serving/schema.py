@@ -273,6 +273,34 @@ def translations_operation(config, tokenizer, max_inputs: int, max_beam: int) ->
                                          **_errors("400", "401", "404", "413", "415", "500")}}
 
 
+def tokenizer_info_responses() -> dict[str, Any]:
+    info = {"type": "object", "required": ["model", "vocab_size", "max_model_len", "eos_token", "bos_token",
+                                           "pad_token"], "properties": {
+        "model": {"type": "string"}, "tokenizer_class": {"type": "string"},
+        "vocab_size": {"type": "integer", "minimum": 1}, "max_model_len": {"type": "integer", "minimum": 1},
+        "eos_token": {"type": ["string", "null"]}, "eos_token_id": {"type": ["integer", "null"]},
+        "bos_token": {"type": "null"}, "pad_token": {"type": "null"}}}
+    return {"200": {"description": "the tokenizer (vLLM's /tokenizer_info)",
+                    "content": {"application/json": {"schema": info}}}, **_errors("401")}
+
+
+def tokenize_operation(tokenizer) -> dict[str, Any]:  # noqa: ANN001 - a tokenloom Tokenizer
+    body = {"type": "object", "required": ["prompt"], "properties": {
+        "prompt": text_schema(tokenizer), "add_special_tokens": _nullable({"type": "boolean"})}}
+    reply = {"type": "object", "required": ["tokens", "count", "max_model_len"], "properties": {
+        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+        "count": {"type": "integer", "minimum": 0}, "max_model_len": {"type": "integer", "minimum": 1}}}
+    return {**_body(body), "responses": {**_reply(reply), **_errors("400", "401", "413", "415", "500")}}
+
+
+def detokenize_operation(vocab: int, max_ids: int) -> dict[str, Any]:
+    body = {"type": "object", "required": ["tokens"], "properties": {
+        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": vocab - 1},
+                   "maxItems": max_ids}}}
+    reply = {"type": "object", "required": ["prompt"], "properties": {"prompt": {"type": "string"}}}
+    return {**_body(body), "responses": {**_reply(reply), **_errors("400", "401", "413", "415", "500")}}
+
+
 def get_responses(kind: str) -> dict[str, Any]:
     """``responses`` of the GET routes: ``health``, ``models``, ``metrics``, ``playground``."""
     if kind == "health":
