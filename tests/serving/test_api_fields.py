@@ -565,3 +565,27 @@ def test_the_tokenizer_routes_are_behind_the_api_key(shakes):
         assert keyed.get("/tokenizer_info").status_code == 401
         ok = keyed.post("/tokenize", json={"prompt": "A"}, headers={"Authorization": "Bearer sesame"})
         assert ok.status_code == 200
+
+
+def test_a_grammar_that_compiles_too_long_is_a_400_and_the_server_goes_on(shakes, monkeypatch):
+    pytest.importorskip("outlines_core")
+    import time as clock
+
+    from tokenloom.generation import constraints
+    from tokenloom.serving.routes import completions as routes
+
+    real = constraints.build_constraint
+
+    def slow(*args, **kwargs):
+        if kwargs.get("regex") == "(to|be)+":
+            clock.sleep(1.0)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(constraints, "build_constraint", slow)
+    monkeypatch.setattr(routes, "MAX_COMPILE_SECONDS", 0.2)
+    with _client(shakes) as c:
+        status, reply = post(c, {"prompt": "A", "max_tokens": 4,
+                                 "response_format": {"type": "regex", "regex": "(to|be)+"}})
+        assert status == 400 and "took over 0.2 s to compile" in reply["error"]["message"], reply
+        status, reply = post(c, {"prompt": "ROMEO:", "max_tokens": 4})
+        assert status == 200

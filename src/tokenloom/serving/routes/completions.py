@@ -36,6 +36,7 @@ from ..state import ServerState, server_state
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "choice")  # the last two: tokenloom's own
 MAX_REGEX, MAX_SCHEMA_BYTES, MAX_CHOICES = 512, 16384, 64  # a constraint's size (compiling is paid up front)
+MAX_COMPILE_SECONDS = 10.0  # a request waits this long for its grammar to compile, then gets a 400
 
 
 def add_routes(router: APIRouter, state: ServerState) -> None:
@@ -127,10 +128,15 @@ async def constraint_of(body: dict, state: ServerState):  # noqa: ANN201 - a fun
     def make():  # noqa: ANN202 - a Constraint
         return build_constraint(tokenizer, vocab, eos_id=eos, **spec)
 
+    compiling = asyncio.get_running_loop().run_in_executor(None, make)  # compiled (and cached) once, here
     try:
-        await asyncio.get_running_loop().run_in_executor(None, make)  # compiled (and cached) once, here
+        await asyncio.wait_for(asyncio.shield(compiling), MAX_COMPILE_SECONDS)
     except ConstraintError as err:
         raise APIError(400, f"'response_format': {err}", param="response_format", code="invalid_value") from None
+    except asyncio.TimeoutError:  # (the compile goes on in its thread and is cached when it ends: no way to stop it)
+        raise APIError(400, f"'response_format' took over {MAX_COMPILE_SECONDS:g} s to compile (a grammar whose "
+                            "automaton explodes, e.g. (a|b)*a(a|b){20}); simplify it", param="response_format",
+                       code="invalid_value") from None
     return make
 
 
