@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from ..errors import GenerationError
-from .config import MAX_FLOAT32, MIN_TEMPERATURE, GenerationConfig
+from .config import MAX_FLOAT32, MIN_TEMPERATURE, PENALTY_LIMIT, GenerationConfig
 
 
 class LogitsProcessor(Protocol):
@@ -123,8 +123,8 @@ class PresenceFrequencyProcessor:
 
     def __init__(self, presence: float = 0.0, frequency: float = 0.0) -> None:
         for name, value in (("presence", presence), ("frequency", frequency)):
-            if not -2 <= value <= 2:
-                raise ValueError(f"{name} penalty must be in [-2, 2], got {value}")
+            if not -PENALTY_LIMIT <= value <= PENALTY_LIMIT:
+                raise ValueError(f"{name} penalty must be in [-{PENALTY_LIMIT:g}, {PENALTY_LIMIT:g}], got {value}")
         self.presence, self.frequency = presence, frequency
         self.prompt_len: int | None = None  # set at the first call
 

@@ -31,7 +31,7 @@ import hashlib
 import sys
 from array import array
 from collections import OrderedDict, deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from ..errors import ConfigError
 
@@ -197,6 +197,40 @@ class BlockManager:
             raise ValueError(f"block {block} is already cached under another key")
         self._by_key[key], self._key[block] = block, key
         return block
+
+    # --- a sequence's table of blocks ---------------------------------------------------------------------------
+
+    def grow(self, table: list[int], length: int, columns: int, copy: Callable[[int, int, int], None]) -> None:
+        """Extend ``table`` (a sequence of ``length`` columns) to hold ``columns`` columns; first, the partial block
+        the next write lands in is made its own when shared (``copy(new, old, n)`` copies its first n positions).
+        :class:`NoFreeBlocks` when the blocks are not there (the table then holds what it got)."""
+        bs = self.block_size
+        i = length // bs
+        if length % bs and i < len(table) and not self.writable(table[i]):
+            old = table[i]
+            new, copied = self.copy_on_write(old)
+            if copied:
+                copy(new, old, length % bs)
+            table[i] = new
+        need = -(-columns // bs) - len(table)
+        if need > 0:
+            table.extend(self.allocate_many(need))
+
+    def register_run(self, table: list[int], tokens: list[int], registered: int) -> int:
+        """Register the full blocks of ``table`` past its first ``registered`` ones, ``tokens`` the sequence's tokens
+        they hold; a block whose tokens another block holds already is replaced by that one (the duplicate
+        released). -> the full blocks now registered."""
+        full = len(tokens) // self.block_size
+        if full <= registered or not self.prefix_caching:
+            return max(registered, full)
+        keys = self.block_keys(tokens[:full * self.block_size])
+        for i in range(registered, full):
+            held = self.register(table[i], keys[i])
+            if held != table[i]:
+                self.fork(held)
+                self.release(table[i])
+                table[i] = held
+        return full
 
     def stats(self) -> dict:
         """Counters and occupancy: query_tokens, hit_tokens, evictions, cached_blocks, free, used."""

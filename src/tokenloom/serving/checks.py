@@ -133,6 +133,41 @@ def logit_bias(body: dict, vocab: int | None) -> dict[int, float] | None:
     return out
 
 
+def encode_text(tokenizer, text: str, param: str, allow_empty: bool = False) -> list[int]:  # noqa: ANN001
+    """``text`` as token ids; text the tokenizer cannot encode (characters outside a character vocabulary), or
+    that encodes to nothing (unless ``allow_empty``), is a 400 naming ``param``."""
+    try:
+        ids = tokenizer.encode(text)
+    except Exception as err:  # noqa: BLE001 — a tokenizer error
+        raise APIError(400, f"'{param}' cannot be encoded: {str(err).splitlines()[0]}", param=param,
+                       code="invalid_value") from None
+    if not ids and not allow_empty:
+        raise APIError(400, f"'{param}' is empty after tokenization", param=param, code="invalid_value")
+    return ids
+
+
+def token_id(value: Any) -> int | None:
+    """A JSON token id: an integer (5.0 included, as JSON Schema counts it), else None."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value if isinstance(value, int) else None
+
+
+def token_ids(values: list, vocab: int, param: str, what: str) -> list[int]:
+    """``values`` checked to be token ids in [0, ``vocab``): a 400 naming ``param`` otherwise (``what``: the
+    accepted shapes, for the message when one is not an integer)."""
+    ids = [token_id(t) for t in values]
+    if None in ids:
+        raise APIError(400, f"'{param}' must be {what}", param=param, code="invalid_type")
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise APIError(400, f"'{param}' holds token id {short_number(bad)}, outside the vocabulary [0, {vocab})",
+                       param=param, code="invalid_value")
+    return ids
+
+
 def short_number(value: object) -> str:
     """A number for a one-line message: its first 20 digits and '...' past them."""
     text = str(value)

@@ -61,56 +61,10 @@ from ..models.sizes import check_kv_cache
 from ..nn.kv_cache import KVCache
 from ..nn.paged import PagedKVCache
 from .blocks import BlockManager, NoFreeBlocks
+from .request import QueueFull, Request, TokenLogprob, token_entries
 from .speculation import Speculator, accept
 
-TokenLogprob = tuple[int, float, list[tuple[int, float]]]  # (token id, its log-probability, the k likeliest
-#   (id, log-probability) pairs): log_softmax of the model's float32 logits (the vocabulary limited), before any
-#   sampling setting (temperature, penalties, logit_bias) changes them
-
-
-class QueueFull(Exception):
-    """The engine's queue of waiting requests is full (HTTP 429)."""
-
-
-@dataclass
-class Request:
-    """One generation: prompt ids, settings, and the sink for its events."""
-
-    prompt_ids: list[int]
-    config: GenerationConfig
-    emit: Callable[[tuple], None]
-    deadline: float | None = None  # time.monotonic() after which it ends with a timeout error
-    stop_strings: list[str] = field(default_factory=list)
-    speculative: bool = True  # drafts when the engine has a drafter (False: plain decoding)
-    logprobs: int | None = None  # None: none; k >= 0: each new token's log-probability and its k likeliest
-    #   alternatives (token_logprobs)
-    echo: bool = False  # also the prompt tokens' log-probabilities (prompt_logprobs): no cached prefix is read
-    score_only: bool = False  # prefill only (echo with max_tokens 0): ends "length" with no new token
-    constraint: object = None  # a stateful logits processor keeping the text in a grammar (response_format:
-    #   tokenloom.generation.constraints.Constraint), after the request's own processors; the request ends ("stop")
-    #   once the text is complete and nothing may follow (its ``done``); no drafts for it
-    siblings: list[Request] = field(default_factory=list)  # the other samples (n > 1) of the same prompt and
-    #   settings but their seeds: the engine prefills the prompt once and forks its blocks; submit only this one
-    cancelled: bool = False
-    # filled in by the engine
-    new_ids: list[int] = field(default_factory=list)
-    token_logprobs: list[TokenLogprob] = field(default_factory=list)  # one per new id (with ``logprobs``)
-    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)  # one per prompt id, the first None
-    #   (with ``echo``)
-    cached_tokens: int = 0  # prompt tokens whose keys and values came from the prefix cache
-    sent_chars: int = 0  # characters of the new text already emitted
-    submitted: float = field(default_factory=time.monotonic)
-    first_token_at: float | None = None
-    finish_reason: str | None = None
-    drafted: int = 0  # draft tokens verified for it
-    accepted: int = 0  # of those, the ones kept
-
-    def cancel(self) -> None:
-        """Called from any thread: the engine drops the request before its next step."""
-        self.cancelled = True
-
-
-
+__all__ = ["Engine", "QueueFull", "Request", "TokenLogprob"]  # (the request types live in .request)
 
 @dataclass(eq=False)
 class _Slot:
@@ -468,7 +422,7 @@ class Engine:
                 source.append(i)
         for slot, token, row in zip(chosen, tokens, source, strict=True):
             if slot.request.logprobs is not None:
-                slot.request.token_logprobs.extend(self._entries(scores[row:row + 1], [token], slot.request.logprobs))
+                slot.request.token_logprobs.extend(token_entries(scores[row:row + 1], [token], slot.request.logprobs))
         return self._deliver(chosen, [[t] for t in tokens])
 
     # --- blocks -------------------------------------------------------------------------------------------------
@@ -490,17 +444,7 @@ class Engine:
 
     def _grow(self, slot: _Slot, columns: int) -> None:
         """Blocks for ``columns`` columns; the partial block the next write lands in made the slot's own."""
-        bs = self.block_size
-        i = slot.length // bs
-        if slot.length % bs and i < len(slot.table) and not self.blocks.writable(slot.table[i]):
-            old = slot.table[i]
-            new, copied = self.blocks.copy_on_write(old)
-            if copied:
-                self.pool.copy_block(new, old, slot.length % bs)
-            slot.table[i] = new
-        need = -(-columns // bs) - len(slot.table)
-        if need > 0:
-            slot.table.extend(self.blocks.allocate_many(need))
+        self.blocks.grow(slot.table, slot.length, columns, self.pool.copy_block)
 
     def _preempt(self, slot: _Slot) -> None:
         """``slot`` gives its blocks back and waits at the head of the queue, to be prefilled again (its prompt and
@@ -520,24 +464,15 @@ class Engine:
         self.preemptions += 1
 
     def _register(self, slot: _Slot) -> None:
-        """Register the slot's newly filled blocks in the prefix cache; a block whose tokens another block holds
-        already is replaced by that one (the duplicate freed)."""
-        bs = self.block_size
+        """Register the slot's newly filled blocks in the prefix cache (:meth:`BlockManager.register_run`)."""
         request = slot.request
-        # (a request cut by a stop: its columns past its tokens)
-        full = min(slot.length, len(request.prompt_ids) + len(request.new_ids)) // bs
-        if full <= slot.registered or not self.prefix_caching:
-            slot.registered = max(slot.registered, full)
+        n = min(slot.length, len(request.prompt_ids) + len(request.new_ids))  # (a request cut by a stop: its
+        #   columns past its tokens)
+        if n // self.block_size <= slot.registered or not self.prefix_caching:  # (most steps: no list built)
+            slot.registered = max(slot.registered, n // self.block_size)
             return
-        sequence = request.prompt_ids + request.new_ids
-        keys = self.blocks.block_keys(sequence[:full * bs])
-        for i in range(slot.registered, full):
-            held = self.blocks.register(slot.table[i], keys[i])
-            if held != slot.table[i]:
-                self.blocks.fork(held)
-                self.blocks.release(slot.table[i])
-                slot.table[i] = held
-        slot.registered = full
+        slot.registered = self.blocks.register_run(slot.table, (request.prompt_ids + request.new_ids)[:n],
+                                                   slot.registered)
 
     def _fork(self, slot: _Slot, request: Request) -> _Slot:
         """A sibling sample of ``slot``'s request: its blocks shared (the partial last one copied on its first
@@ -570,24 +505,13 @@ class Engine:
 
     # --- log-probabilities --------------------------------------------------------------------------------------
 
-    @staticmethod
-    def _entries(scores: Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
-        """(n, V) float32 scores and the n tokens chosen after them -> their :data:`TokenLogprob` entries."""
-        logp = torch.log_softmax(scores, -1)
-        chosen = logp.gather(1, torch.tensor(tokens, device=scores.device)[:, None])[:, 0].tolist()
-        if not k:
-            return [(t, c, []) for t, c in zip(tokens, chosen, strict=True)]
-        values, ids = logp.topk(min(k, logp.shape[-1]), -1)
-        return [(t, c, list(zip(i, v, strict=True)))
-                for t, c, i, v in zip(tokens, chosen, ids.tolist(), values.tolist(), strict=True)]
-
     def _prompt_logprobs(self, request: Request, scores: Tensor, start: int) -> None:
         """The prompt log-probabilities a chunk's (n, V) scores give: position j's scores score prompt token j + 1
         (the last prompt position's score the first new token instead)."""
         prompt = request.prompt_ids
         n = min(scores.shape[0], len(prompt) - 1 - start)
         if n > 0:
-            request.prompt_logprobs.extend(self._entries(scores[:n], prompt[start + 1:start + 1 + n],
+            request.prompt_logprobs.extend(token_entries(scores[:n], prompt[start + 1:start + 1 + n],
                                                          request.logprobs or 0))
 
     # --- speculative decoding -----------------------------------------------------------------------------------
@@ -629,7 +553,7 @@ class Engine:
             slot.request.drafted += c
             slot.request.accepted += k
             if slot.request.logprobs is not None:
-                slot.request.token_logprobs.extend(self._entries(scores[b, :k + 1], drafts[b][:k] + [nxt[b]],
+                slot.request.token_logprobs.extend(token_entries(scores[b, :k + 1], drafts[b][:k] + [nxt[b]],
                                                                  slot.request.logprobs))
         self.speculator.settle(torch.tensor([s.length for s in self.slots], device=device))
         if self.on_draft is not None:

@@ -13,6 +13,7 @@ from fastapi import Request as HTTPRequest
 from fastapi.responses import JSONResponse
 
 from ..errors import ConfigError
+from ..generation.choose import vocabulary_limit
 from ..generation.drafting import PromptLookup
 from ..models.registry import decoding_of
 from .checks import APIError
@@ -32,6 +33,8 @@ class ServerState:
     config: ServeConfig
     metrics: Metrics = field(default_factory=Metrics)
     is_lm: bool = False
+    vocab: int = 0  # the token ids a request may name: below the tokenizer's vocabulary when the model's is padded
+    #   past it, else below the model's
     engine: Engine | None = None
     translator: Any = None  # the translation batcher (routes.translations.TranslationBatcher), made at first use
     api_key: bytes | None = None  # the key's UTF-8 bytes, None: no key asked for
@@ -49,6 +52,8 @@ class ServerState:
         if draft is not None and not state.is_lm:
             raise ConfigError("speculative decoding (--draft, --prompt-lookup) applies to a language model's "
                               "completions; this server serves a translation model")
+        size = model.config.vocab_size
+        state.vocab = vocabulary_limit(tokenizer, size) or size
         if state.is_lm:
             state.engine = Engine(model, tokenizer, config.max_batch, config.max_queue, on_step=state.metrics.on_step,
                                   dispatch=state.dispatch, draft=draft, num_draft_tokens=config.num_draft_tokens,

@@ -17,18 +17,18 @@ from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import StreamingResponse
 
-from ...generation.choose import vocabulary_limit
 from ...generation.config import GenerationConfig, offset_seed
 from .. import schema as api_schema
 from ..checks import (
     APIError,
     ClientGone,
     check_model,
+    encode_text,
     field,
     generation_settings,
     logprob_settings,
     read_json,
-    short_number,
+    token_ids,
 )
 from ..engine import QueueFull, Request
 from ..logprobs import Choice
@@ -43,7 +43,7 @@ def add_routes(router: APIRouter, state: ServerState) -> None:
     """The two routes; the schema lists them only for a language model (for another they answer 400
     unsupported_model)."""
     config, tokenizer = state.config, state.tokenizer
-    vocab = vocabulary(state)
+    vocab = state.vocab
     router.add_api_route("/v1/completions", completions, methods=["POST"], include_in_schema=state.is_lm,
                          openapi_extra=api_schema.completions_operation(config, tokenizer,
                                                                         state.model.config.max_seq_len, vocab))
@@ -66,10 +66,10 @@ async def lm_request(request: HTTPRequest, route: str) -> tuple[ServerState, dic
 async def completions(request: HTTPRequest):
     state, body = await lm_request(request, "/v1/completions")
     config = state.config
-    prompts = prompt_list(body, vocabulary(state))
+    prompts = prompt_list(body, state.vocab)
     echo = field(body, "echo", (bool,), False)
     k = logprob_settings(body, chat=False)
-    settings = generation_settings(body, config, vocab=vocabulary(state), echo=echo)
+    settings = generation_settings(body, config, vocab=state.vocab, echo=echo)
     settings.update(logprobs=k, echo=echo, constraint=await constraint_of(body, state))
     if len(prompts) * settings["n"] > config.max_prompts:
         raise APIError(400, f"{len(prompts)} prompts x n={settings['n']} exceeds the server's limit of "
@@ -90,7 +90,7 @@ async def chat(request: HTTPRequest):
                             "role and content", param="messages", code="invalid_type")
     prompt = "".join(m["content"] + "\n" for m in messages)  # no chat template: plain concatenation
     k = logprob_settings(body, chat=True)
-    settings = generation_settings(body, config, default_max_tokens=config.max_tokens, vocab=vocabulary(state))
+    settings = generation_settings(body, config, default_max_tokens=config.max_tokens, vocab=state.vocab)
     settings.update(logprobs=k, echo=False, constraint=await constraint_of(body, state))
     settings["max_tokens"] = min(settings["max_tokens"], max(1, state.model.config.max_seq_len - len(
         encode(state, prompt, "messages")) - 1))
@@ -210,30 +210,7 @@ def require_lm(state: ServerState, what: str) -> None:
 
 
 def encode(state: ServerState, text: str, param: str) -> list[int]:
-    try:
-        ids = state.tokenizer.encode(text)
-    except Exception as err:  # noqa: BLE001 — a tokenizer error (characters outside a char vocabulary)
-        raise APIError(400, f"'{param}' cannot be encoded: {str(err).splitlines()[0]}", param=param,
-                       code="invalid_value") from None
-    if not ids:
-        raise APIError(400, f"'{param}' is empty after tokenization", param=param, code="invalid_value")
-    return ids
-
-
-def vocabulary(state: ServerState) -> int:
-    """Token ids a request may name: below the tokenizer's vocabulary when the model's is padded past it, else
-    below the model's."""
-    model_vocab = state.model.config.vocab_size
-    return vocabulary_limit(state.tokenizer, model_vocab) or model_vocab
-
-
-def _token_id(value: Any) -> int | None:
-    """A JSON token id: an integer (5.0 included, as JSON Schema counts it), else None."""
-    if isinstance(value, bool):
-        return None
-    if isinstance(value, float) and value.is_integer():
-        return int(value)
-    return value if isinstance(value, int) else None
+    return encode_text(state.tokenizer, text, param)
 
 
 def prompt_list(body: dict, vocab: int) -> list[str | list[int]]:
@@ -247,18 +224,8 @@ def prompt_list(body: dict, vocab: int) -> list[str | list[int]]:
     if all(isinstance(p, str) for p in prompt):
         return prompt
     rows = prompt if isinstance(prompt[0], list) else [prompt]
-    checked = []
-    for row in rows:
-        ids = [_token_id(t) for t in row] if isinstance(row, list) else [None]
-        if not ids or None in ids:
-            raise APIError(400, "'prompt' must be a string, a non-empty list of strings, a non-empty list of token "
-                                "ids or a non-empty list of such lists", param="prompt", code="invalid_type")
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise APIError(400, f"'prompt' holds token id {short_number(bad)}, outside the vocabulary [0, {vocab})",
-                           param="prompt", code="invalid_value")
-        checked.append(ids)
-    return checked
+    shapes = "a string, a non-empty list of strings, a non-empty list of token ids or a non-empty list of such lists"
+    return [token_ids(row if isinstance(row, list) and row else [None], vocab, "prompt", shapes) for row in rows]
 
 
 @dataclass

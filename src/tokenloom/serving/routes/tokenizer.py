@@ -8,9 +8,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 
-from ...generation.choose import vocabulary_limit
 from .. import schema as api_schema
-from ..checks import APIError, field, read_json
+from ..checks import APIError, encode_text, field, read_json, token_ids
 from ..state import ServerState, server_state
 
 MAX_DETOKENIZE = 65536  # ids one /detokenize request may send
@@ -19,19 +18,12 @@ MAX_DETOKENIZE = 65536  # ids one /detokenize request may send
 def add_routes(router: APIRouter, state: ServerState) -> None:
     if not state.is_lm:  # (a translation model has two vocabularies: its source's and its target's)
         return
-    vocab = vocabulary(state)
     router.add_api_route("/tokenizer_info", tokenizer_info, methods=["GET"],
                          responses=api_schema.tokenizer_info_responses())
     router.add_api_route("/tokenize", tokenize, methods=["POST"],
                          openapi_extra=api_schema.tokenize_operation(state.tokenizer))
     router.add_api_route("/detokenize", detokenize, methods=["POST"],
-                         openapi_extra=api_schema.detokenize_operation(vocab, MAX_DETOKENIZE))
-
-
-def vocabulary(state: ServerState) -> int:
-    """The ids the tokenizer knows (the model's vocabulary may be padded past them)."""
-    size = state.model.config.vocab_size
-    return vocabulary_limit(state.tokenizer, size) or size
+                         openapi_extra=api_schema.detokenize_operation(state.vocab, MAX_DETOKENIZE))
 
 
 def context_of(state: ServerState) -> int:
@@ -43,7 +35,7 @@ async def tokenizer_info(request: HTTPRequest):
     tokenizer = state.tokenizer
     eos = getattr(tokenizer, "eos_id", None)
     return {"model": state.config.model_name, "tokenizer_class": type(tokenizer).__name__,
-            "vocab_size": vocabulary(state), "max_model_len": context_of(state),
+            "vocab_size": state.vocab, "max_model_len": context_of(state),
             "eos_token": None if eos is None else tokenizer.backend.id_to_token(eos), "eos_token_id": eos,
             "bos_token": None, "pad_token": None}
 
@@ -53,11 +45,7 @@ async def tokenize(request: HTTPRequest):
     body = await read_json(request, state.config.max_body_bytes)
     prompt = field(body, "prompt", (str,), required=True)
     field(body, "add_special_tokens", (bool,), False)  # (tokenloom's tokenizers add none to a prompt)
-    try:
-        tokens = state.tokenizer.encode(prompt)
-    except Exception as err:  # noqa: BLE001 — a tokenizer error (characters outside a char vocabulary)
-        raise APIError(400, f"'prompt' cannot be encoded: {str(err).splitlines()[0]}", param="prompt",
-                       code="invalid_value") from None
+    tokens = encode_text(state.tokenizer, prompt, "prompt", allow_empty=True)
     return {"tokens": tokens, "count": len(tokens), "max_model_len": context_of(state)}
 
 
@@ -65,12 +53,8 @@ async def detokenize(request: HTTPRequest):
     state = server_state(request)
     body = await read_json(request, state.config.max_body_bytes)
     tokens = field(body, "tokens", (list,), required=True)
-    vocab = vocabulary(state)
     if len(tokens) > MAX_DETOKENIZE:
         raise APIError(400, f"'tokens' holds {len(tokens)} ids; at most {MAX_DETOKENIZE}", param="tokens",
                        code="invalid_value")
-    for t in tokens:
-        if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab:
-            raise APIError(400, f"'tokens' holds {str(t)[:40]!s}, not a token id in [0, {vocab})", param="tokens",
-                           code="invalid_value")
+    tokens = token_ids(tokens, state.vocab, "tokens", "a list of token ids")
     return {"prompt": state.tokenizer.decode(tokens)}
