@@ -6,6 +6,11 @@
     tokenizer.json      Hugging Face tokenizers format
     trainer_state.pt    only for resuming: optimizer, scheduler, RNG states, step (written by training)
 
+A LoRA run's checkpoint (``train.lora``) holds ``adapter.safetensors`` + ``adapter.json`` in place of
+``model.safetensors``: the adapter, and where its frozen base weights are (another checkpoint, by path, or the run's
+``<run>/base``) with their SHA-256, checked when they are read. :func:`load_model` / :func:`load_weights` give the
+base with the adapter merged (:func:`adapter_state`).
+
 A training run directory holds its checkpoint in ``<run>/checkpoint/``. Each checkpoint is written to
 ``checkpoint.tmp`` and swapped in by renames, so a crash never leaves a half-written checkpoint: at any
 moment ``checkpoint`` (or, mid-swap, ``checkpoint.old``) is complete.
@@ -30,6 +35,7 @@ from .config import from_dict, load_yaml, save_yaml
 from .errors import CheckpointError, ConfigError
 from .files import sha256_file
 from .models.factory import create_model, model_config_from_dict
+from .nn.lora import ADAPTER_CONFIG, AdapterSpec, is_adapter, read_adapter, read_adapter_spec
 from .nn.quantized import QUANTIZED_KINDS, QuantizationConfig, quantize_model
 from .packaged import where_bundled
 
@@ -64,12 +70,13 @@ def state_dict_for_saving(state: dict[str, torch.Tensor]) -> dict[str, torch.Ten
 
 def write_checkpoint(directory: str | Path, model: nn.Module | None, config: dict[str, Any], tokenizer: Any = None,
                      extra: Callable[[Path], None] | None = None, dtype: torch.dtype | None = None,
-                     state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+                     state_dict: dict[str, torch.Tensor] | None = None, weights: bool = True) -> Path:
     """Write a complete checkpoint to ``directory`` atomically (temp dir + renames).
 
     ``extra(tmp_dir)`` may add files (the trainer's state) before the swap. ``dtype`` stores floating
     weights in another precision (e.g. bf16 for a small bundled checkpoint). ``state_dict`` replaces
-    the model's own (the trainer's float32 master weights); ``model`` may then be None.
+    the model's own (the trainer's float32 master weights); ``model`` may then be None. ``weights=False`` writes no
+    ``model.safetensors`` (a LoRA checkpoint: ``extra`` writes the adapter files).
     """
     directory = Path(directory)
     tmp = directory.with_name(directory.name + ".tmp")
@@ -77,10 +84,11 @@ def write_checkpoint(directory: str | Path, model: nn.Module | None, config: dic
     shutil.rmtree(tmp, ignore_errors=True)
     try:
         tmp.mkdir(parents=True)
-        tensors = state_dict_for_saving(state_dict if state_dict is not None else model.state_dict())
-        if dtype is not None:
-            tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
-        save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
+        if weights:
+            tensors = state_dict_for_saving(state_dict if state_dict is not None else model.state_dict())
+            if dtype is not None:
+                tensors = {k: v.to(dtype) if v.is_floating_point() else v for k, v in tensors.items()}
+            save_file(tensors, str(tmp / WEIGHTS_FILE), metadata={"format": "pt"})
         save_yaml(config, tmp / CONFIG_FILE)
         if tokenizer is not None:
             tokenizer.save(tmp / TOKENIZER_FILE)
@@ -175,15 +183,120 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
 
 def load_weights(model: nn.Module, path: str | Path, fresh: Callable[[str], bool] | None = None) -> None:
     """Load ``model.safetensors`` of a checkpoint into ``model``, checking names and shapes; tensors whose names
-    ``fresh`` accepts may be absent from the checkpoint (they keep their initial values)."""
-    weights = resolve_checkpoint(path) / WEIGHTS_FILE
+    ``fresh`` accepts may be absent from the checkpoint (they keep their initial values). A LoRA checkpoint gives
+    its base weights with the adapter merged (:func:`adapter_state`)."""
+    ckpt = resolve_checkpoint(path)
+    if is_adapter(ckpt):
+        spec, base, tensors = adapter_state(ckpt)
+        load_state(model, merged_adapter_state(spec, base, tensors), f"{ckpt} (base + adapter)", fresh)
+        return
+    load_state(model, read_weights(ckpt), str(ckpt / WEIGHTS_FILE), fresh)
+
+
+def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of a checkpoint's ``model.safetensors``; a missing or corrupt file is a one-line error."""
+    weights = Path(path) / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"checkpoint is missing its weights: {weights}")
     try:
-        state = load_file(str(weights))
+        return load_file(str(weights))
     except (SafetensorError, OSError, ValueError) as err:
         raise CheckpointError(f"{weights} is truncated or corrupt ({str(err).splitlines()[0]})") from None
-    load_state(model, state, str(weights), fresh)
+
+
+# --- LoRA checkpoints: an adapter and a reference to its frozen base --------------------------------------------------
+
+BASE_DIR = "base"  # <run>/base: the frozen base of a LoRA run that started from no float checkpoint on disk
+
+
+def weights_fingerprint(path: str | Path) -> str:
+    """The SHA-256 of a checkpoint's ``model.safetensors``: its ``checksums.json`` entry where it has one (what the
+    damage check verifies), else hashed now."""
+    ckpt = Path(path)
+    manifest = ckpt / CHECKSUM_FILE
+    if manifest.is_file():
+        with contextlib.suppress(OSError, json.JSONDecodeError, UnicodeDecodeError, AttributeError):
+            digest = json.loads(manifest.read_text(encoding="utf-8")).get(WEIGHTS_FILE)
+            if isinstance(digest, str):
+                return digest
+    weights = ckpt / WEIGHTS_FILE
+    try:
+        return sha256_file(weights)
+    except OSError as err:
+        raise CheckpointError(f"cannot read {weights}: {err.strerror or err}") from None
+
+
+def base_reference(path: str | Path, *, in_run: bool = False) -> dict[str, Any]:
+    """How a LoRA checkpoint's ``adapter.json`` names its base: the checkpoint at ``path`` (as given and absolute),
+    or with ``in_run`` the run's own ``<run>/base``; with the SHA-256 of its weights."""
+    ckpt = resolve_checkpoint(path)
+    if in_run:
+        return {"kind": "run", "path": BASE_DIR, "sha256": weights_fingerprint(ckpt)}
+    return {"kind": "checkpoint", "path": str(path), "resolved": str(ckpt.resolve()),
+            "sha256": weights_fingerprint(ckpt)}
+
+
+def adapter_base(path: str | Path, spec: AdapterSpec | None = None) -> Path:
+    """The checkpoint directory holding the frozen base weights of the LoRA checkpoint at ``path``: the one
+    ``adapter.json`` names (absolute, then as given, relative to here), or for a run's own base ``<run>/base`` next
+    to the checkpoint (``<run>/checkpoint``, ``<run>/history/step-N``, ``<run>/best``); its weights' SHA-256 must be
+    the recorded one. One-line :class:`CheckpointError` otherwise."""
+    ckpt = resolve_checkpoint(path)
+    spec = spec or read_adapter_spec(ckpt)
+    base = spec.base if isinstance(spec.base, dict) else {}
+    meta = ckpt / ADAPTER_CONFIG
+    if base.get("kind") == "run":
+        candidates = [ckpt.parent / BASE_DIR, ckpt.parent.parent / BASE_DIR]
+    elif base.get("kind") == "checkpoint":
+        candidates = [Path(p) for p in (base.get("resolved"), base.get("path")) if isinstance(p, str)]
+    else:
+        raise CheckpointError(f"{meta} names no base checkpoint (base: {base!r})")
+    found = [c for c in candidates if (c / WEIGHTS_FILE).is_file()]
+    if not found:
+        raise CheckpointError(f"{meta}: its base checkpoint is not found (looked in "
+                              f"{', '.join(map(str, dict.fromkeys(candidates)))}); the adapter needs the exact "
+                              "weights it was trained on")
+    for candidate in found:
+        if weights_fingerprint(candidate) == base.get("sha256"):
+            return candidate
+    raise CheckpointError(f"{meta}: the base checkpoint {found[0]} has other weights than the adapter was trained on "
+                          f"(SHA-256 {weights_fingerprint(found[0])[:12]}..., recorded {str(base.get('sha256'))[:12]}"
+                          "...); use the base it was trained on")
+
+
+def adapter_state(path: str | Path) -> tuple[AdapterSpec, dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(settings, base weights, adapter tensors) of the LoRA checkpoint at ``path``: the base float (as stored,
+    not yet quantised for a QLoRA adapter), under the plain model's names; the adapter under
+    :func:`tokenloom.nn.lora.lora_state_dict`'s."""
+    ckpt = resolve_checkpoint(path)
+    spec, tensors = read_adapter(ckpt)
+    return spec, read_weights(adapter_base(ckpt, spec)), tensors
+
+
+def merged_adapter_state(spec: AdapterSpec, base: dict[str, torch.Tensor],
+                         tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The plain model's weights an adapter stands for: each adapted layer's ``W + (alpha / rank) * B @ A`` in
+    float32 (a QLoRA adapter's quantised base layers first quantised and dequantised as in training: merging into a
+    quantised base dequantises it), the rest of ``base`` as it is."""
+    from .nn.int_kernels import dequantize, quantize_weight
+
+    state = dict(base)
+    quantized = spec.quantized_base or {}
+    for name in quantized.get("layers", []):
+        key = f"{name}.weight"
+        if key not in state:
+            raise CheckpointError(f"adapter.json: quantized_base names {name}, which the base weights lack")
+        stored = quantize_weight(state[key].float(), int(quantized["bits"]), int(quantized.get("group_size", 128)))
+        state[key] = dequantize(stored, torch.float32)
+    scale = float(spec.alpha) / spec.rank
+    for name in spec.modules:
+        key, a, b = f"{name}.weight", tensors.get(f"{name}.lora_A.weight"), tensors.get(f"{name}.lora_B.weight")
+        if key not in state or a is None or b is None:
+            raise CheckpointError(f"adapter.json names the adapted layer {name}, but the base or the adapter lacks "
+                                  "its tensors")
+        state[key] = state[key].float() + (b.float() @ a.float()) * scale
+    state.update((key, t) for key, t in tensors.items() if not key.endswith((".lora_A.weight", ".lora_B.weight")))
+    return state  # (with the parameters trained in full beside the adapters: a task's new head)
 
 
 def load_state(model: nn.Module, state: dict[str, torch.Tensor], source: str,
@@ -226,7 +339,13 @@ def load_tokenizer(path: str | Path):
     if eos is not None and not isinstance(eos, str):
         raise CheckpointError(f"{ckpt / CONFIG_FILE}: tokenizer.eos_token must be a token (a string) or null, "
                               f"got {eos!r}")
-    return Tokenizer.from_file(ckpt / TOKENIZER_FILE, eos_token=eos)
+    tokenizer = Tokenizer.from_file(ckpt / TOKENIZER_FILE, eos_token=eos)
+    for key in ("chat_template", "bos_token"):  # the chat template the checkpoint records (tokenloom.data.chat)
+        value = section.get(key) if isinstance(section, dict) else None
+        if value is not None and not isinstance(value, str):
+            raise CheckpointError(f"{ckpt / CONFIG_FILE}: tokenizer.{key} must be a string or null, got {value!r}")
+        setattr(tokenizer, key, value)
+    return tokenizer
 
 
 def stored_quantization(config: dict[str, Any]) -> QuantizationConfig | None:
@@ -297,3 +416,29 @@ def quantize_checkpoint(source: str | Path, out: str | Path, quantization: Quant
     write_checkpoint(out, None, {**config, "quantization": quantization.as_dict()}, tokenizer=tokenizer,
                      state_dict=state)
     return out, (ckpt / WEIGHTS_FILE).stat().st_size, (out / WEIGHTS_FILE).stat().st_size
+
+
+def merge_adapter_checkpoint(source: str | Path, out: str | Path, force: bool = False) -> tuple[Path, AdapterSpec]:
+    """Write the LoRA checkpoint ``source`` as a standalone full checkpoint at ``out``: its base with the adapter
+    merged (:func:`merged_adapter_state`; a QLoRA adapter's quantised base dequantised), float32, its config
+    (``train.lora`` off, ``merged_adapter`` recording what was merged) and tokenizer, no trainer state. Refuses (one
+    line) a source that holds no adapter and an ``out`` that holds files unless ``force``."""
+    ckpt = resolve_checkpoint(source)
+    if not is_adapter(ckpt):
+        raise CheckpointError(f"{ckpt} holds no LoRA adapter ({ADAPTER_CONFIG}); it is a full checkpoint already")
+    out = Path(out)
+    if out.resolve() == ckpt.resolve():
+        raise CheckpointError(f"--out {out} is the adapter checkpoint itself; write the merged copy elsewhere")
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
+        raise CheckpointError(f"{out} already exists and is not empty; choose another --out or pass --force")
+    spec = read_adapter_spec(ckpt)
+    model, config = load_model(ckpt)
+    train = config.get("train") if isinstance(config.get("train"), dict) else {}
+    config = {**config, "train": {**train, "lora": {**(train.get("lora") or {}), "rank": 0, "quantize_base": None}},
+              "merged_adapter": {"from": str(ckpt), "rank": spec.rank, "alpha": spec.alpha,
+                                 "modules": len(spec.modules), "quantized_base": spec.quantized_base}}
+    tokenizer = load_tokenizer(ckpt) if (ckpt / TOKENIZER_FILE).is_file() else None
+    if force and out.exists() and not out.is_dir():
+        out.unlink()
+    write_checkpoint(out, model, config, tokenizer)
+    return out, spec

@@ -41,7 +41,8 @@ pytestmark = pytest.mark.fuzz
 # the model families each task trains (a recipe may name any family; these are the ones whose fields matter)
 TASK_FAMILIES = {"lm": ["gpt", "rnn", "universal"],
                  "translation": ["seq2seq", "rnn_seq2seq", "universal_seq2seq", "semi_ar"],
-                 "nat_translation": ["nat"], "image_classification": ["vit", "swin"]}
+                 "nat_translation": ["nat"], "image_classification": ["vit", "swin"],
+                 "dpo": ["gpt"], "reward": ["gpt_reward"], "sft": ["gpt"], "grpo": ["gpt"]}
 
 
 def _field_paths(cls: type, prefix: tuple[str, ...]) -> list[tuple[str, ...]]:
@@ -60,7 +61,7 @@ def _field_paths(cls: type, prefix: tuple[str, ...]) -> list[tuple[str, ...]]:
 def _keys() -> list[tuple[str, str, tuple[str, ...]]]:
     """(task, model family, key path) for every key of every section, enumerated from the dataclasses."""
     assert sorted(TASK_FAMILIES) == TASKS.names(), "a new task: add it and its model families here"
-    named = sorted(f for families in TASK_FAMILIES.values() for f in families)
+    named = sorted({f for families in TASK_FAMILIES.values() for f in families})  # (several tasks train gpt)
     assert named == MODELS.names(), "a new model family: add it under the task that trains it"
     keys = []
     for task, families in TASK_FAMILIES.items():
@@ -128,6 +129,8 @@ def _base(task: str, family: str) -> dict:
     data = {"task": task, "model": {"family": family}, "train": {"max_steps": 10}}
     if task == "lm":
         data["data"] = {"path": "corpus.txt"}
+    if task == "grpo":  # (a GRPO recipe must name its reward)
+        data["data"] = {"rewards": [{"name": "regex", "options": {"pattern": "a+"}}]}
     return data
 
 

@@ -10,7 +10,8 @@ from tokenloom.models.registry import DECODERS, MODELS, declare_decoding, decodi
 
 EXPECTED = {"gpt": "causal_lm", "seq2seq": "encoder_decoder", "nat": "parallel", "semi_ar": "semi_autoregressive",
             "vit": None, "swin": None, "universal": "causal_lm", "universal_seq2seq": "encoder_decoder",
-            "rnn": "causal_lm", "rnn_seq2seq": "encoder_decoder"}
+            "rnn": "causal_lm", "rnn_seq2seq": "encoder_decoder",
+            "gpt_reward": "causal_lm"}  # (a reward model keeps its language model's decoding; its score is extra)
 
 
 @pytest.mark.parametrize("family", MODELS.names())

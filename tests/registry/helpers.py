@@ -18,6 +18,7 @@ from torch import Tensor, nn
 
 from tests.generation.helpers import left_pad  # noqa: F401  (re-exported for the registry tests)
 from tokenloom.models.registry import MODELS, decoding_of
+from tokenloom.models.reward import SequenceScorer
 
 # Shrunk sizes. Only fields the config has are overridden; everything else (position, norm, mlp, norm_placement,
 # bias, tying, the kv-head ratio, window size, patch size, kind...) keeps the preset's value.
@@ -142,6 +143,10 @@ def outputs(family: str, model: nn.Module, seed: int = 1, device: torch.device |
         ids = put(torch.randint(0, c.vocab_size, (B, 12), generator=gen))
         logits = model(ids)
         assert logits.shape == (B, 12, c.vocab_size)
+        if isinstance(model, SequenceScorer):  # a reward model: also its sequence score (its head)
+            scores = model.score(ids)
+            assert scores.shape == (B,)
+            return [logits, scores]
         return [logits]
     if kind in ("encoder_decoder", "semi_autoregressive"):  # teacher forcing from [BOS] y (semi_ar shifts it)
         src, mask = source_batch(c, gen, device)

@@ -80,12 +80,14 @@ def train(args: argparse.Namespace) -> int:
               "without a process group", file=sys.stderr)
     with session(t.strategy, t.backend, device.type) as where:
         trainer = setup_run(config, out, resume=args.resume, dist=where)
-        n_params = sum(p.numel() for p in trainer.model.parameters())
+        trainable, n_params = trainer.parameter_counts
         say = (lambda text: print(text, file=sys.stderr)) if where.is_main else (lambda text: None)
         for notice in trainer.notices:  # a resume that keeps the run's learning-rate schedule
             say(notice)
         how = f", {where.world_size} processes ({where.strategy}, {where.backend})" if where.active else ""
-        say(f"training {config.task} model ({n_params / 1e6:.2f}M parameters, {trainer.precision.precision}{how}) "
+        part = f", {trainable:,} trainable ({100 * trainable / n_params:.2f}%)" if trainable != n_params else ""
+        say(f"training {config.task} model ({n_params / 1e6:.2f}M parameters{part}, {trainer.precision.precision}"
+            f"{how}) "
             f"for {t.max_steps} steps from step {trainer.step} -> {out}")
         say(f"{trainer.device_choice.describe()}; {trainer.precision.describe()}; {machine().describe()}")
         try:
@@ -224,6 +226,14 @@ def _stream_text(model, tokenizer, prompt: str, config, **decoding) -> str:
 
 
 def generate(args: argparse.Namespace) -> int:
+    from .index import generate_rag, rag_requested
+
+    if rag_requested(args):  # --rag INDEX (or a RAG flag without it: its one-line error): cli/index.py
+        return generate_rag(args, unescape)
+    from .preference import best_of_requested, generate_best_of
+
+    if best_of_requested(args):  # --best-of N --reward-model CKPT (or one without the other): cli/preference.py
+        return generate_best_of(args, unescape)
     if args.num_samples < 1:
         raise ConfigError(f"--num-samples must be >= 1, got {args.num_samples}")
     from .vision import refuse_image_checkpoint
@@ -233,6 +243,8 @@ def generate(args: argparse.Namespace) -> int:
     tokenizer = load_tokenizer(args.checkpoint)
     if getattr(model, "decoder_for", None) is not None:
         raise ConfigError("this is a translation model: use `tokenloom translate`")
+    if args.chat is not None:
+        return _generate_chat(args, model, tokenizer)
     if args.beam > 1:
         if args.compile:
             raise ConfigError(f"--compile applies to greedy decoding and sampling; beam search (--beam {args.beam}) "
@@ -263,6 +275,28 @@ def generate(args: argparse.Namespace) -> int:
               f"{tally.num_layers} layers per token on average over {tally.positions} tokens", file=sys.stderr)
     if args.verbose and decoding.get("draft_tally") is not None:
         print(speculative_summary(decoding["draft_tally"], args), file=sys.stderr)
+    return 0
+
+
+def _generate_chat(args: argparse.Namespace, model, tokenizer) -> int:
+    """``--chat MESSAGE``: the reply to one user turn, rendered with the checkpoint's chat template; greedy or
+    sampled (``--num-samples`` replies), stopping at the template's end marker and at ``--stop`` texts."""
+    from ..data.chat import template_for_tokenizer
+    from ..generation.chat import generate_reply
+
+    if args.beam > 1 or args.compile or args.exit_threshold is not None or args.draft or args.prompt_lookup:
+        raise ConfigError("--chat decodes greedily or by sampling: leave out --beam, --compile, --exit-threshold, "
+                          "--draft and --prompt-lookup")
+    template = template_for_tokenizer(tokenizer, setting="tokenizer.chat_template")
+    messages = [{"role": "user", "content": unescape(args.chat)}]
+    for i in range(args.num_samples):
+        if args.num_samples > 1:
+            print(f"--- sample {i + 1} ---")
+        config = _gen_config(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                             do_sample=not args.greedy and args.temperature > 0, top_k=args.top_k, top_p=args.top_p,
+                             repetition_penalty=args.repetition_penalty,
+                             stop_strings=[unescape(text) for text in args.stop], seed=offset_seed(args.seed, i))
+        print(generate_reply(model, tokenizer, template, messages, config))
     return 0
 
 
@@ -365,6 +399,12 @@ def evaluate(args: argparse.Namespace) -> int:
         return _evaluate_translation(args, ckpt, config)
     if args.split not in ("train", "val"):
         raise ConfigError(f"--split for a language model is 'train' or 'val', got {args.split!r}")
+    if config.get("task") == "sft" and not args.data:  # the loss on the response tokens of its conversations
+        return _evaluate_sft(args, ckpt, config)
+    if config.get("task") in ("dpo", "reward"):  # preference metrics on its pairs (cli/preference.py)
+        from .preference import evaluate_preference
+
+        return evaluate_preference(args, ckpt, config)
     if args.metrics or args.source or args.reference:
         raise ConfigError("--metrics, --source and --reference apply to translation models; a language model "
                           "reports loss and perplexity")
@@ -404,6 +444,33 @@ def evaluate(args: argparse.Namespace) -> int:
     if tokens:
         result["tokens"] = tokens
         result["tokens_per_s"] = round(tokens / seconds, 1)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        for key, value in result.items():
+            print(f"{key:>14}: {value:.4f}" if isinstance(value, float) else f"{key:>14}: {value}")
+    return 0
+
+
+def _evaluate_sft(args: argparse.Namespace, ckpt: Path, config: dict) -> int:
+    """``evaluate`` of an sft checkpoint: the mean cross-entropy over the response tokens of its conversations."""
+    from ..config import from_dict
+    from ..models.registry import takes_documents
+    from ..tasks.sft import SFTDataConfig, SFTTask
+
+    if args.metrics or args.source or args.reference or args.stride is not None:
+        raise ConfigError("an sft checkpoint reports loss and perplexity over the response tokens: leave out "
+                          "--metrics, --source, --reference and --stride")
+    model, _ = load_inference_model(ckpt, args.precision, args.device)
+    data = from_dict(SFTDataConfig, config.get("data") or {}, prefix="data")
+    seq_len = (config.get("train") or {}).get("seq_len") or model.config.max_seq_len
+    task = SFTTask.for_checkpoint(data, load_tokenizer(ckpt), batch_size=args.batch_size or 16, seq_len=seq_len,
+                                  takes_packing=takes_documents(model))
+    start = time.perf_counter()
+    with torch.no_grad():
+        metrics = task.evaluate(model, max_batches=args.batches, split=args.split)
+    result = {"checkpoint": str(ckpt), "data": data.path, "split": args.split, **metrics,
+              "seconds": round(time.perf_counter() - start, 2)}
     if args.json:
         print(json.dumps(result))
     else:

@@ -1,5 +1,6 @@
 """``tokenloom train | recipes | sweep | sweep-report | fit-scaling | generate | fit-exits | evaluate | translate |
-classify | distill | bench | viz | report | serve | import | export | quantize | completion``.
+classify | distill | bench | viz | report | serve | import | export | quantize | index | lora |
+completion``.
 
 Errors a user can cause print one line (``error: ...``) and exit with status 2; Ctrl-C exits 130. Warnings print
 one line too (``warning: ...``, :func:`one_line_warnings`).
@@ -74,6 +75,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                        description="Generate text from a checkpoint, printing it as it is produced.")
     p.add_argument("checkpoint", help="checkpoint or run directory")
     p.add_argument("--prompt", default="\n", help="text to continue (default: a newline)")
+    p.add_argument("--chat", default=None, metavar="MESSAGE",
+                   help="chat: send MESSAGE as a user turn through the checkpoint's chat template (the one it "
+                        "recorded, e.g. an imported model's own or the sft task's; else the default) and print only "
+                        "the reply, which ends at the template's end marker")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=1.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=None)
@@ -105,6 +110,12 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--verbose", action="store_true",
                    help="print decoding statistics to stderr (with --exit-threshold: the mean layers a token ran; "
                         "with --draft or --prompt-lookup: acceptance and tokens per pass of the model)")
+    from .index import add_rag_options
+
+    add_rag_options(p)  # --rag INDEX and its options (cli/index.py)
+    from .preference import add_best_of_options
+
+    add_best_of_options(p)  # --best-of N --reward-model CKPT (cli/preference.py)
     p.set_defaults(func=_run("generate"))
 
 
@@ -453,6 +464,9 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
                    "(default 64 KiB)")
     p.add_argument("--model-name", default=None, help="the model id in the API (default: the run's name)")
     _add_speculative(p)  # a request opts out with "speculative": false
+    from .index import add_serve_rag_options
+
+    add_serve_rag_options(p)  # --rag INDEX: POST /v1/rag (cli/index.py)
     _add_precision(p)
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
     p.set_defaults(func=_run_in("serve", "serve"))
@@ -509,6 +523,22 @@ def _add_quantize(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=_run("quantize"))
 
 
+def _add_lora(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("lora", help="a LoRA run's adapter: describe it, or merge it into a full checkpoint",
+                       description="A LoRA run (train.lora) checkpoints its adapter (adapter.safetensors + "
+                                   "adapter.json) and names its frozen base; every command loads it as the base with "
+                                   "the adapter merged. docs/alignment.md")
+    kinds = p.add_subparsers(dest="lora_command", metavar="ACTION", required=True)
+    i = kinds.add_parser("info", help="rank, alpha, targets, trainable parameters and the base of an adapter")
+    i.add_argument("checkpoint", help="LoRA checkpoint or run directory")
+    i.set_defaults(func=_run_in("lora", "info"))
+    m = kinds.add_parser("merge", help="write the base with the adapter merged as a standalone full checkpoint")
+    m.add_argument("checkpoint", help="LoRA checkpoint or run directory")
+    m.add_argument("--out", required=True, help="checkpoint directory to write")
+    m.add_argument("--force", action="store_true", help="replace a non-empty --out")
+    m.set_defaults(func=_run_in("lora", "merge"))
+
+
 def _run(name: str) -> Callable[[argparse.Namespace], int]:
     def call(args: argparse.Namespace) -> int:
         from . import commands  # heavy imports (torch) only once a command runs
@@ -563,6 +593,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_import(sub)
     _add_export(sub)
     _add_quantize(sub)
+    _add_lora(sub)
+    from .index import add_index
+
+    add_index(sub)  # tokenloom index DOCS --out INDEX (cli/index.py)
     _add_completion(sub)
     _show_defaults(parser)
     return parser

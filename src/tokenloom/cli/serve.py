@@ -18,7 +18,7 @@ def serve(args: argparse.Namespace) -> int:
     except ImportError as err:
         raise ConfigError(f"serving needs {err.name or 'fastapi and uvicorn'}: pip install 'tokenloom[serve]'") \
             from None
-    from .loading import load_inference_model
+    from .loading import command_device, load_inference_model
 
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
@@ -47,7 +47,10 @@ def serve(args: argparse.Namespace) -> int:
     model, _ = load_inference_model(ckpt, args.precision, args.device)
     tokenizer = load_tokenizer(ckpt)
     draft = _load_draft(args, tokenizer)
-    app = create_app(model, tokenizer, config, draft)
+    from .index import serving_rag
+
+    rag = serving_rag(args, model, tokenizer, command_device(args.device).device)  # --rag INDEX: POST /v1/rag
+    app = create_app(model, tokenizer, config, draft, rag)
     _browser_safety_notes(config)
     where = f"http://{args.host}:{args.port}"
     print(f"serving {name} ({family}) at {where}/v1 (playground: {where}/)"

@@ -133,6 +133,9 @@ class Tokenizer:
         self._stoi: dict[str, int] = {}
         if inferred == "char":
             self._stoi = backend.get_vocab(with_added_tokens=False)
+        self.chat_template: str | None = None  # the chat template a checkpoint records (tokenizer.chat_template:
+        #   "default" or a Jinja string; :mod:`tokenloom.data.chat`), None where it records none
+        self.bos_token: str | None = None  # the text a Jinja chat template writes for {{ bos_token }}, or None
 
     # ---- building -------------------------------------------------------------------------------
 
@@ -182,7 +185,9 @@ class Tokenizer:
 
     def with_eos(self, eos_token: str | None) -> Tokenizer:
         """The same tokenizer with another end-of-text token."""
-        return type(self)(self.backend, self._kind, eos_token)
+        other = type(self)(self.backend, self._kind, eos_token)
+        other.chat_template, other.bos_token = self.chat_template, self.bos_token
+        return other
 
     @classmethod
     def from_file(cls, path: str | Path, eos_token: str | None = None) -> Tokenizer:

@@ -408,6 +408,31 @@ def read_hf_tokenizer(directory: str | Path, hf_config: dict[str, Any] | None = 
     return tokenizer.with_eos(eos) if eos is not None else tokenizer
 
 
+def read_hf_chat_template(directory: str | Path) -> str | None:
+    """The directory's chat template (a Jinja string): ``tokenizer_config.json``'s ``chat_template`` (a string, or
+    the ``default`` entry of a list of named ones), else ``chat_template.jinja`` or ``chat_template.json`` (newer
+    transformers save it apart); None when there is none."""
+    directory = Path(directory)
+    candidates: list[Any] = []
+    for name in ("tokenizer_config.json", "chat_template.json"):
+        path = directory / name
+        if path.is_file():
+            try:
+                candidates.append(json.loads(path.read_text(encoding="utf-8")).get("chat_template"))
+            except (json.JSONDecodeError, UnicodeDecodeError, AttributeError) as err:
+                raise CheckpointError(f"{path}: not a JSON object ({err})") from None
+    jinja = directory / "chat_template.jinja"
+    if jinja.is_file():
+        candidates.append(jinja.read_text(encoding="utf-8"))
+    for value in candidates:
+        if isinstance(value, list):  # [{"name": ..., "template": ...}, ...]
+            named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+            value = named.get("default")
+        if isinstance(value, str) and value.strip():
+            return value
+    return None
+
+
 # ---- import -----------------------------------------------------------------------------------------
 
 def _hf_source(model_or_dir: Any) -> tuple[dict[str, Any], dict[str, Tensor], str, Path | None]:
@@ -480,6 +505,13 @@ def import_hf(directory: str | Path, out: str | Path, *, dtype: torch.dtype | No
                                              "architecture": (hf_config.get("architectures") or [None])[0]}}
     if tokenizer is not None and tokenizer.eos_token is not None:
         run_config["tokenizer"] = {"eos_token": tokenizer.eos_token}
+    chat_template = read_hf_chat_template(directory) if tokenizer is not None else None
+    if chat_template is not None:  # the model's own chat template (sft, generate --chat and the server use it)
+        section = run_config.setdefault("tokenizer", {})
+        section["chat_template"] = chat_template
+        bos = _special_token(directory, hf_config, tokenizer, "bos")
+        if bos is not None:
+            section["bos_token"] = bos
     if force and out.exists() and not (out / "config.yaml").is_file():
         shutil.rmtree(out)
     return write_checkpoint(out, None, run_config, tokenizer=tokenizer, dtype=dtype, state_dict=state)
@@ -570,6 +602,12 @@ def export_hf(model_or_checkpoint: nn.Module | str | Path, out: str | Path, *, t
                                       "clean_up_tokenization_spaces": False}
         if tokenizer.eos_token is not None:
             tok_config["eos_token"] = tok_config["bos_token"] = tokenizer.eos_token
+        if tokenizer.bos_token is not None:
+            tok_config["bos_token"] = tokenizer.bos_token
+        if tokenizer.chat_template is not None:  # as a Jinja string (the default template written out as one)
+            from ..data.chat import jinja_source
+
+            tok_config["chat_template"] = jinja_source(tokenizer.chat_template, tokenizer)
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n", encoding="utf-8")
     if out.exists():
         shutil.rmtree(out)

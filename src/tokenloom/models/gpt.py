@@ -31,13 +31,13 @@ from ..nn.attention import Context, capturing
 from ..nn.block import StepFunctions, step_functions
 from ..nn.dropout import Dropout
 from ..nn.kv_cache import DecodeCache, RaggedView, RollingKVCache, SegmentMemory
-from ..nn.masks import KeySpan, positions_from_mask, sequence_span
+from ..nn.masks import KeySpan, document_positions, positions_from_mask, sequence_span
 from ..nn.paged import PagedView
 from ..nn.quantized import embedding_rows, reference_tensor
 from ..nn.sliding import Window, plan_attention
 from .counting import CountsParameters
 from .options import attention_options, check_block_options, check_memory_options, check_window_options, from_preset
-from .registry import MODELS, declare_decoding
+from .registry import MODELS, declare_decoding, declare_documents
 
 
 @dataclass
@@ -129,13 +129,20 @@ def init_gpt_weights(model: nn.Module, depth: int) -> None:
 
 def causal_span(input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None,
                 cache: DecodeCache | None, position: nn.Module, max_positions: int | None,
-                max_seq_len: int) -> tuple[KeySpan, Tensor]:
+                max_seq_len: int, documents: Tensor | None = None) -> tuple[KeySpan, Tensor]:
     """The key span of a causal LM's call over ``cache`` (None: the whole sequence) and the (B, T) positions of its
     queries (given, or counted from the cache and the (B, S) ``attention_mask``). Refuses a sequence past the
     context (``max_positions``, the cache's capacity) and grows ``position``'s tables past ``max_seq_len`` where the
-    scheme extrapolates. Shared by the causal LMs (GPT, the Universal Transformer)."""
+    scheme extrapolates. ``documents`` (B, T): packed rows' example ids (0 = padding; whole sequences only):
+    attention stays inside an example and positions restart at 0 with each one unless given. Shared by the causal
+    LMs (GPT, the Universal Transformer)."""
     B, T = input_ids.shape
-    span = cache.span(T, attention_mask) if cache is not None else sequence_span(T, attention_mask)
+    if documents is not None:
+        if cache is not None:
+            raise ValueError("documents (packed examples) apply to whole-sequence forwards, not to calls with a cache")
+        if positions is None:
+            positions = document_positions(documents)
+    span = cache.span(T, attention_mask) if cache is not None else sequence_span(T, attention_mask, documents)
     if span.extent is not None:
         capacity = cache.max_len if cache is not None else None
         limits = [n for n in (max_positions, capacity) if n is not None]
@@ -173,6 +180,7 @@ STEP_POSITIONS = 16  # the most positions per row a cached eval call runs throug
 #   the modules); a verification pass of 2-9 positions on the 6 x 384 Shakespeare model ran ~20% faster so
 
 
+@declare_documents
 @declare_decoding("causal_lm")
 class GPT(CountsParameters, nn.Module):
     """Token embedding (+ positions) -> L blocks -> final norm -> vocabulary logits."""
@@ -227,7 +235,8 @@ class GPT(CountsParameters, nn.Module):
 
     def forward_features(self, input_ids: Tensor, *, positions: Tensor | None = None,
                          attention_mask: Tensor | None = None, cache: DecodeCache | None = None,
-                         need_weights: bool = False) -> tuple[Tensor, list[Tensor | None]]:
+                         need_weights: bool = False, documents: Tensor | None = None
+                         ) -> tuple[Tensor, list[Tensor | None]]:
         """(B, T) ids -> (B, T, C) final hidden states, and per-layer attention probabilities
         (B, H, T, S) when ``need_weights`` and the backend returns them (``math``).
 
@@ -235,13 +244,16 @@ class GPT(CountsParameters, nn.Module):
         any cache strategy (:mod:`tokenloom.nn.kv_cache`): dense, static (a compiled step) or ragged (a server's
         rows at different lengths; ``positions`` then given). A one-token step in eval mode runs the blocks as
         plain functions (:func:`~tokenloom.nn.block.step_functions`), the same bodies as the modules.
+        ``documents`` (B, T): packed examples' ids (0 = padding) of a whole-sequence pass; attention does not cross
+        examples and positions restart with each (:func:`causal_span`).
         """
         return self._features(input_ids, positions, attention_mask, cache, need_weights,
-                              self.decode_steps(cache, input_ids.shape[1], need_weights))
+                              self.decode_steps(cache, input_ids.shape[1], need_weights), documents)
 
     def layer_inputs(self, input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None,
                      cache: DecodeCache | None, need_weights: bool = False,
-                     steps: StepFunctions | None = None) -> tuple[Tensor, list[Context]]:
+                     steps: StepFunctions | None = None, documents: Tensor | None = None
+                     ) -> tuple[Tensor, list[Context]]:
         """What the blocks run on: the embedded (B, T) ids, (B, T, C) ((B, C) for the plain one-token ``steps``),
         and each layer's attention :class:`~tokenloom.nn.attention.Context` (mask, rotary angles, its cache
         layer). The caller runs the layers and then advances ``cache`` by T (:meth:`_features`; early exit,
@@ -249,7 +261,7 @@ class GPT(CountsParameters, nn.Module):
         B, T = input_ids.shape
         position = self.position
         span, positions = causal_span(input_ids, positions, attention_mask, cache, position,
-                                      self.config.max_positions, self.config.max_seq_len)
+                                      self.config.max_positions, self.config.max_seq_len, documents)
         device = input_ids.device
         x = self.tok_embed(input_ids) if steps is None else embedding_rows(self.tok_embed, input_ids)
         added = position.embed(positions)
@@ -274,10 +286,10 @@ class GPT(CountsParameters, nn.Module):
 
     def _features(self, input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None,
                   cache: DecodeCache | None, need_weights: bool,
-                  steps: StepFunctions | None) -> tuple[Tensor, list[Tensor | None]]:
+                  steps: StepFunctions | None, documents: Tensor | None = None) -> tuple[Tensor, list[Tensor | None]]:
         """:meth:`forward_features` with the step functions looked up (None: the modules run)."""
         B, T = input_ids.shape
-        x, contexts = self.layer_inputs(input_ids, positions, attention_mask, cache, need_weights, steps)
+        x, contexts = self.layer_inputs(input_ids, positions, attention_mask, cache, need_weights, steps, documents)
         if steps is not None:
             for block, layer_ctx in zip(steps.blocks, contexts, strict=True):
                 x = block(x, layer_ctx)
@@ -315,14 +327,15 @@ class GPT(CountsParameters, nn.Module):
         return self.lm_head(hidden)
 
     def forward(self, input_ids: Tensor, *, positions: Tensor | None = None, attention_mask: Tensor | None = None,
-                cache: DecodeCache | None = None) -> Tensor:
+                cache: DecodeCache | None = None, documents: Tensor | None = None) -> Tensor:
         """(B, T) token ids -> (B, T, V) logits. With a Transformer-XL memory, T longer than ``max_seq_len`` (a long
-        prompt) runs as consecutive segments of ``max_seq_len``, the memory carried from one to the next."""
+        prompt) runs as consecutive segments of ``max_seq_len``, the memory carried from one to the next.
+        ``documents`` (B, T): packed examples' ids (see :meth:`forward_features`)."""
         segment = self.config.max_seq_len
         if isinstance(cache, SegmentMemory) and input_ids.shape[1] > segment:
             return torch.cat([self(part, cache=cache) for part in input_ids.split(segment, dim=1)], dim=1)
         steps = self.decode_steps(cache, input_ids.shape[1])
-        hidden, _ = self._features(input_ids, positions, attention_mask, cache, False, steps)
+        hidden, _ = self._features(input_ids, positions, attention_mask, cache, False, steps, documents)
         if steps is None:
             return self.forward_head(hidden)
         return steps.head(hidden[:, 0])[:, None] if hidden.shape[1] == 1 else steps.head(hidden)

@@ -86,3 +86,24 @@ def ponders(model_or_class: object) -> bool:
         return True
     inner = getattr(model_or_class, "__dict__", {}).get("model")
     return inner is not None and inner is not model_or_class and ponders(inner)
+
+
+_PACKS: set[type] = set()  # model classes whose whole-sequence forward takes ``documents`` (packed examples)
+
+
+def declare_documents(cls: M) -> M:
+    """Class decorator: ``cls`` (and its subclasses) takes ``documents`` (B, T) -- the example id of each position of
+    packed rows, 0 = padding -- in its whole-sequence ``forward`` / ``forward_features``: attention stays inside an
+    example and positions restart with each (sequence packing for fine-tuning)."""
+    _PACKS.add(cls)
+    return cls
+
+
+def takes_documents(model_or_class: object) -> bool:
+    """Whether a model (instance or class; or a wrapper holding one as ``model``) was declared with
+    :func:`declare_documents`."""
+    cls = model_or_class if isinstance(model_or_class, type) else type(model_or_class)
+    if any(base in _PACKS for base in cls.__mro__):
+        return True
+    inner = getattr(model_or_class, "__dict__", {}).get("model")
+    return inner is not None and inner is not model_or_class and takes_documents(inner)

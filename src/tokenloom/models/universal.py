@@ -41,7 +41,7 @@ from ..nn.positions import sinusoid_table
 from .counting import CountsParameters
 from .gpt import causal_context, causal_span, init_gpt_weights, mask_dtype
 from .options import attention_options, check_block_options
-from .registry import MODELS, declare_decoding, declare_ponder
+from .registry import MODELS, declare_decoding, declare_documents, declare_ponder
 
 
 @dataclass
@@ -123,6 +123,7 @@ class _Pass(NamedTuple):
 
 
 @declare_ponder
+@declare_documents
 @declare_decoding("causal_lm")
 class UniversalTransformer(CountsParameters, nn.Module):
     """Token embedding -> the shared block, up to ``max_steps`` times (ACT) -> final norm -> vocabulary logits."""
@@ -166,13 +167,14 @@ class UniversalTransformer(CountsParameters, nn.Module):
 
     def forward_features(self, input_ids: Tensor, *, positions: Tensor | None = None,
                          attention_mask: Tensor | None = None, cache: DecodeCache | None = None,
-                         need_weights: bool = False) -> tuple[Tensor, list[Tensor | None]]:
+                         need_weights: bool = False, documents: Tensor | None = None
+                         ) -> tuple[Tensor, list[Tensor | None]]:
         """(B, T) ids -> (B, T, C) final hidden states (the ACT-weighted sum of the steps' states, normed), and
         per step the attention probabilities (B, H, T, S) when ``need_weights`` and the backend returns them
-        (``math``). ``positions``, ``attention_mask`` and ``cache`` as in :meth:`GPT.forward_features
+        (``math``). ``positions``, ``attention_mask``, ``cache`` and ``documents`` as in :meth:`GPT.forward_features
         <tokenloom.models.gpt.GPT.forward_features>`."""
         out = self._run(input_ids, positions, attention_mask, cache, need_weights,
-                        self._steps(cache, input_ids.shape[1], need_weights))
+                        self._steps(cache, input_ids.shape[1], need_weights), documents)
         return out.hidden, out.weights
 
     def forward_head(self, hidden: Tensor) -> Tensor:
@@ -180,17 +182,19 @@ class UniversalTransformer(CountsParameters, nn.Module):
         return self.lm_head(hidden)
 
     def forward_ponder(self, input_ids: Tensor, *, positions: Tensor | None = None,
-                       attention_mask: Tensor | None = None, cache: DecodeCache | None = None) -> PonderOutput:
+                       attention_mask: Tensor | None = None, cache: DecodeCache | None = None,
+                       documents: Tensor | None = None) -> PonderOutput:
         """(B, T) token ids -> (B, T, V) logits and (B, T) ponder counts N + R."""
         steps = self._steps(cache, input_ids.shape[1])
-        out = self._run(input_ids, positions, attention_mask, cache, False, steps)
+        out = self._run(input_ids, positions, attention_mask, cache, False, steps, documents)
         logits = steps.head(out.hidden[:, 0])[:, None] if steps is not None else self.forward_head(out.hidden)
         return PonderOutput(logits, out.ponder)
 
     def forward(self, input_ids: Tensor, *, positions: Tensor | None = None, attention_mask: Tensor | None = None,
-                cache: DecodeCache | None = None) -> Tensor:
-        """(B, T) token ids -> (B, T, V) logits."""
-        return self.forward_ponder(input_ids, positions=positions, attention_mask=attention_mask, cache=cache).logits
+                cache: DecodeCache | None = None, documents: Tensor | None = None) -> Tensor:
+        """(B, T) token ids -> (B, T, V) logits; ``documents`` (B, T): packed examples' ids (as GPT's)."""
+        return self.forward_ponder(input_ids, positions=positions, attention_mask=attention_mask, cache=cache,
+                                   documents=documents).logits
 
     def _steps(self, cache: DecodeCache | None, T: int, need_weights: bool = False) -> StepFunctions | None:
         """The plain one-token step functions (the shared block bound once) for ``cache``, or None where the
@@ -203,13 +207,14 @@ class UniversalTransformer(CountsParameters, nn.Module):
         return [self.block], self.final_norm, self.lm_head
 
     def _run(self, input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None,
-             cache: DecodeCache | None, need_weights: bool, steps: StepFunctions | None) -> _Pass:
+             cache: DecodeCache | None, need_weights: bool, steps: StepFunctions | None,
+             documents: Tensor | None = None) -> _Pass:
         """The recurrence over the steps, through the modules or (``steps``) the plain one-token functions."""
         c = self.config
         B, T = input_ids.shape
         position = self.position
         span, positions = causal_span(input_ids, positions, attention_mask, cache, position, c.max_positions,
-                                      c.max_seq_len)
+                                      c.max_seq_len, documents)
         x = self.tok_embed(input_ids) * self.embed_scale  # (B, T, C)
         if self.training:
             x = self.embed_dropout(x)

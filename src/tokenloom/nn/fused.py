@@ -69,8 +69,16 @@ def linear_add(x: Tensor, weight: Tensor, bias: Tensor | None, residual: Tensor)
 # oneDNN's packed bf16 weights need AVX-512 (BW, VL, DQ) or AVX-NE-CONVERT, and an ONEDNN_MAX_CPU_ISA that allows them
 _REORDER = (getattr(torch.ops.mkldnn, "_reorder_linear_weight", None)
             if _OPS is not None and torch.ops.mkldnn._is_mkldnn_bf16_supported() else None)
-# id(weight) -> (weakref to weight, data_ptr, version, kind, prepared weight): see :func:`decode_linear`
-_PREPARED: dict[int, tuple[weakref.ref, int, int, str, Tensor]] = {}
+# id(weight) -> (weakref to weight, data_ptr, version, updates, kind, prepared weight): see :func:`decode_linear`
+_PREPARED: dict[int, tuple[weakref.ref, int, int, int, str, Tensor]] = {}
+_UPDATES = [0]  # counts weights_updated() calls: part of a prepared weight's key
+
+
+def weights_updated() -> None:
+    """Forget every prepared decode weight (:func:`decode_linear`): to call after weights were written in place
+    without bumping their version counters, as a fused optimizer step does (``torch.optim.AdamW(fused=True)`` on the
+    CPU leaves ``_version`` as it was, so a decode step would otherwise keep reading the weights before the step)."""
+    _UPDATES[0] += 1
 
 
 def decode_linear(weight: Tensor, bias: Tensor | None, rows: int | None = None) -> Callable[[Tensor], Tensor]:
@@ -90,7 +98,9 @@ def decode_linear(weight: Tensor, bias: Tensor | None, rows: int | None = None) 
 
     The prepared weight is made on the first call that needs it and kept (one more copy of the weight in
     memory) while the weight's storage and version counter are unchanged, so a training step, ``load_state_dict``
-    or ``.to()`` make it anew. With autograd recording or under autocast the function runs plain ``F.linear``
+    or ``.to()`` make it anew (a fused optimizer's step, which bumps no version counter, through
+    :func:`weights_updated`: the Trainer calls it after each update).
+    With autograd recording or under autocast the function runs plain ``F.linear``
     (the prepared kernels have no backward and do not autocast).
     """
     kind = None
@@ -106,12 +116,12 @@ def decode_linear(weight: Tensor, bias: Tensor | None, rows: int | None = None) 
 
     def prepared() -> Tensor:
         # an inference tensor (a model loaded under inference_mode) has no version counter: its storage identifies it
-        key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version)
+        key = (weight.data_ptr(), 0 if weight.is_inference() else weight._version, _UPDATES[0])
         if last[0] == key:
             return last[1]
         entry = _PREPARED.get(slot)
-        if entry is not None and entry[0]() is weight and entry[1:4] == (*key, kind):
-            made = entry[4]
+        if entry is not None and entry[0]() is weight and entry[1:5] == (*key, kind):
+            made = entry[5]
         else:
             with torch.no_grad():
                 w = weight.detach()

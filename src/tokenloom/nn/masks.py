@@ -62,11 +62,28 @@ class KeySpan(NamedTuple):
     key_positions: Tensor | None = None
     extent: int | None = None
     layout: object = None  # a paged cache's attention plan (:class:`~.paged.PagedLayout`): it attends itself
+    documents: Tensor | None = None  # (B, S) example ids of packed rows (whole-sequence passes only): a query sees
+    #   only the keys of its own example (equal ids; 0 = padding)
 
 
-def sequence_span(length: int, valid: Tensor | None = None) -> KeySpan:
-    """A whole-sequence pass (no cache): ``length`` queries over the same keys; ``valid`` (B, S) 1 = token."""
-    return KeySpan(0, length, None, None if valid is None else valid.bool(), extent=length)
+def sequence_span(length: int, valid: Tensor | None = None, documents: Tensor | None = None) -> KeySpan:
+    """A whole-sequence pass (no cache): ``length`` queries over the same keys; ``valid`` (B, S) 1 = token;
+    ``documents`` (B, S) the example id of each position of packed rows (0 = padding; attention stays inside an
+    example; ``valid`` defaults to ``documents != 0``)."""
+    if documents is not None and valid is None:
+        valid = documents != 0
+    return KeySpan(0, length, None, None if valid is None else valid.bool(), extent=length, documents=documents)
+
+
+def document_positions(documents: Tensor) -> Tensor:
+    """(B, T) example ids of packed rows (contiguous runs, 0 = padding) -> (B, T) positions restarting at 0 at the
+    start of every example (padding gets 0)."""
+    T = documents.shape[-1]
+    index = torch.arange(T, device=documents.device).expand_as(documents)
+    starts = torch.ones_like(documents, dtype=torch.bool)
+    starts[:, 1:] = documents[:, 1:] != documents[:, :-1]
+    first = torch.where(starts, index, torch.zeros_like(index)).cummax(-1).values  # the start of each one's run
+    return (index - first).masked_fill_(documents == 0, 0)
 
 
 def attention_mask(span: KeySpan, T: int, *, causal: bool, position=None, window=None, dtype: torch.dtype,
@@ -74,7 +91,8 @@ def attention_mask(span: KeySpan, T: int, *, causal: bool, position=None, window
     """The one mask builder: (attn_mask, is_causal) for T queries over ``span`` — every model and cache strategy
     builds its masks here, built once per forward and shared by every layer.
 
-    ``causal``: a query sees the keys at or before its own index; ``position`` (a :class:`~.positions.Position`)
+    ``causal``: a query sees the keys at or before its own index; ``span.documents`` (packed rows): only the keys of
+    its own example; ``position`` (a :class:`~.positions.Position`)
     adds its score bias (ALiBi, T5) where it has one; ``window`` (a :class:`~.sliding.Window`) hides the keys
     outside each query's sliding window; ``group`` > 1 with ``causal`` (semi-autoregressive decoding, no window):
     group-causal, a query sees every key of its own and earlier groups of ``group`` positions. The mask is None (or
@@ -86,7 +104,7 @@ def attention_mask(span: KeySpan, T: int, *, causal: bool, position=None, window
         window = None  # every key is inside the window already
     if span.windowed:
         causal = False
-    if span.past is not None and span.valid is None and not has_bias and window is None:
+    if span.past is not None and span.valid is None and not has_bias and window is None and span.documents is None:
         if T == 1 or not causal:
             return None, False
         if group > 1:  # None when every query sees every key (a dense cache's one new, whole group)
@@ -113,6 +131,10 @@ def attention_mask(span: KeySpan, T: int, *, causal: bool, position=None, window
     if span.valid is not None:
         pad = span.valid[:, None, None, :]  # (B, 1, 1, S)
         allowed = pad if allowed is None else allowed & pad
+    if span.documents is not None:  # packed examples: a query sees only its own example's keys
+        docs = span.documents
+        same = (docs[:, -T:, None] == docs[:, None, :])[:, None]  # (B, 1, T, S)
+        allowed = same if allowed is None else allowed & same
     mask = None if allowed is None else additive_mask(allowed, dtype)
     if has_bias:
         keys = index if span.key_positions is not None else index[0]

@@ -185,7 +185,7 @@ def plan_attention(span: KeySpan, T: int, *, causal: bool, window: Window | None
     if span.layout is not None:  # a paged cache: its groups of rows, each with its own mask from the one builder
         return None, False, span.layout.plan(causal=causal, window=window, position=position, dtype=dtype,
                                              device=device)
-    if window is not None and banded and span.past == 0 and (window.causal or not causal):
+    if window is not None and banded and span.past == 0 and (window.causal or not causal) and span.documents is None:
         band = Band.plan(window, T, valid=span.valid, position=position, dtype=dtype, device=device)
         if band is not None:
             return None, False, band

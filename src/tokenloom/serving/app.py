@@ -28,10 +28,12 @@ __all__ = ["MAX_BEAM", "MAX_INPUTS", "APIError", "CatchAll", "ClientGone", "Serv
            "create_app", "generation_settings", "parse_json"]
 
 
-def create_app(model, tokenizer, config: ServeConfig, draft=None):  # noqa: ANN001
+def create_app(model, tokenizer, config: ServeConfig, draft=None, rag=None):  # noqa: ANN001
     """The FastAPI app serving ``model`` (GPT: completions; encoder-decoder or NAT: translations); ``draft``: a
-    draft model for speculative decoding (``config.prompt_lookup``: prompt lookup instead)."""
+    draft model for speculative decoding (``config.prompt_lookup``: prompt lookup instead); ``rag``: a
+    :class:`~.routes.rag.RagService` for POST /v1/rag."""
     state = ServerState.create(model, tokenizer, config, draft)
+    state.rag = rag
     # /openapi.json is public documentation (no API key, like /health): the request and reply schemas of every
     # route (tokenloom.serving.schema), for clients and for fuzzers; no docs pages
     from .. import __version__
@@ -62,6 +64,10 @@ def create_app(model, tokenizer, config: ServeConfig, draft=None):  # noqa: ANN0
     completions.add_routes(app.router, state)
     translations.add_routes(app.router, state)
     tokenizer_routes.add_routes(app.router, state)  # vLLM's /tokenize, /detokenize, /tokenizer_info (a language model)
+    if rag is not None:  # serve --rag: POST /v1/rag (needs the rag extra's bm25s)
+        from .routes import rag as rag_routes
+
+        rag_routes.add_routes(app.router, state)
 
     app.add_middleware(CatchAll, metrics=state.metrics)  # added last: the outermost, around every other middleware
     return app

@@ -301,6 +301,50 @@ def detokenize_operation(vocab: int, max_ids: int) -> dict[str, Any]:
     return {**_body(body), "responses": {**_reply(reply), **_errors("400", "401", "413", "415", "500")}}
 
 
+RAG_GENERATION_FIELDS = ("max_tokens", "max_completion_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                         "presence_penalty", "frequency_penalty")  # the completions settings /v1/rag reads
+
+
+def rag_operation(config, tokenizer, vocab: int, max_k: int, retrievers: list[str], top_k: int,  # noqa: ANN001
+                  retriever: str) -> dict[str, Any]:
+    """POST /v1/rag (``serve --rag``, :mod:`tokenloom.serving.routes.rag`): a question, the passages to retrieve and
+    the sampling settings of the completions routes; the answer, its citations, the passages and the fact check."""
+    own = text_schema(tokenizer).get("pattern")  # a character vocabulary's, and at least one non-space character
+    question = {**text_schema(tokenizer), "minLength": 1,
+                "pattern": r"\S" if own is None else "^(?=[\\s\\S]*\\S)" + own[1:],
+                "description": "the question; the prompt holds it after the retrieved passages and must fit the "
+                               "context"}
+    properties = generation_properties(config, vocab)
+    body = {"type": "object", "required": ["question"], "properties": {
+        "model": properties["model"], "question": question,
+        "k": _nullable({"type": "integer", "minimum": 1, "maximum": max_k,
+                        "description": f"passages retrieved (default {top_k})"}),
+        "retriever": {"enum": [*retrievers, None], "description": f"default {retriever}"},
+        "alpha": _nullable({"type": "number", "minimum": 0, "maximum": 1,
+                            "description": "hybrid: the dense score's weight (default 0.5)"}),
+        "fact_check": _nullable({"type": "boolean", "description": "mark each span of the answer supported or not "
+                                                                   "by the passages (default true)"}),
+        **{name: properties[name] for name in RAG_GENERATION_FIELDS}}}
+    passage = {"type": "object", "required": ["id", "score", "text"], "properties": {
+        "id": {"type": "string"}, "score": {"type": "number"}, "text": {"type": "string"}}}
+    span = {"type": "object", "required": ["text", "supported", "support", "passages"], "properties": {
+        "text": {"type": "string"}, "start": {"type": "integer"}, "end": {"type": "integer"},
+        "supported": {"type": "boolean"}, "support": {"type": "number"},
+        "passages": {"type": "array", "items": {"type": "string"}}}}
+    check = {"anyOf": [{"type": "null"}, {"type": "object", "required": ["method", "supported", "spans"],
+                                          "properties": {"method": {"type": "string"}, "threshold": {"type": "number"},
+                                                         "supported": {"type": "boolean"},
+                                                         "spans": {"type": "array", "items": span}}}]}
+    ids = {"type": "array", "items": {"type": "string"}}
+    reply = {"type": "object", "required": ["object", "model", "answer", "citations", "passages", "fact_check"],
+             "properties": {"object": {"const": "rag.answer"}, "model": {"type": "string"},
+                            "answer": {"type": "string"}, "citations": ids, "passages": {"type": "array",
+                                                                                        "items": passage},
+                            "dropped": ids, "fact_check": check, "usage": USAGE}}
+    return {**_body(body), "responses": {**_reply(reply),
+                                         **_errors("400", "401", "404", "413", "415", "429", "500", "504")}}
+
+
 def get_responses(kind: str) -> dict[str, Any]:
     """``responses`` of the GET routes: ``health``, ``models``, ``metrics``, ``playground``."""
     if kind == "health":

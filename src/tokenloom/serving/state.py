@@ -40,6 +40,9 @@ class ServerState:
     api_key: bytes | None = None  # the key's UTF-8 bytes, None: no key asked for
     post_paths: set[str] = field(default_factory=set)  # the routes that take a POST body (filled at the first request)
     loop: asyncio.AbstractEventLoop | None = None  # the event loop serving the app (set by the lifespan)
+    chat_template: Any = None  # the checkpoint's recorded chat template (tokenloom.data.chat.ChatTemplate), which
+    #   /v1/chat/completions renders messages with; None: the messages' contents joined by newlines
+    rag: Any = None  # serve --rag: the routes.rag.RagService behind POST /v1/rag, None without it
 
     @classmethod
     def create(cls, model, tokenizer, config: ServeConfig, draft=None) -> ServerState:  # noqa: ANN001 - a model
@@ -61,6 +64,10 @@ class ServerState:
                                   kv_blocks=config.kv_blocks, prefix_caching=config.prefix_caching,
                                   prefill_tokens=config.prefill_tokens)
         state.api_key = check_api_key(config.api_key) if config.api_key is not None else None
+        if state.is_lm and getattr(tokenizer, "chat_template", None):  # loaded once; a bad one fails at start
+            from ..data.chat import template_for_tokenizer
+
+            state.chat_template = template_for_tokenizer(tokenizer, setting="tokenizer.chat_template")
         return state
 
     def dispatch(self, events: list) -> None:  # engine thread: one wake-up of the event loop per step

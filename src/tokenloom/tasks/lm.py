@@ -16,10 +16,11 @@ from ..data.text import TextDataset, read_text
 from ..data.tokenizers import TOKENIZERS, Tokenizer, create_tokenizer
 from ..devices import device_of
 from ..errors import ConfigError, DataError
-from ..models.factory import create_model, model_config_from_dict
+from ..models.factory import create_model
 from ..models.registry import ponders
 from .losses import cross_entropy
 from .registry import TASKS, Sharded
+from .vocabulary import config_for_tokenizer
 
 DATA_ORDERS = ("random", "stream")
 
@@ -94,14 +95,7 @@ class LMTask(Sharded):
         if tokenizer is None:
             tokenizer = create_tokenizer(data.tokenizer, read_text(path), data.vocab_size)
         dataset = TextDataset.prepare(path, tokenizer, Path(run_dir) / "data", val_fraction=data.val_fraction)
-        vocab = model_section.get("vocab_size") or tokenizer.vocab_size  # imported models may pad the vocabulary
-        check(vocab >= tokenizer.vocab_size,
-              f"model.vocab_size={vocab} is smaller than the tokenizer's {tokenizer.vocab_size} ids")
-        section = {**model_section, "vocab_size": vocab}
-        family, model_config = model_config_from_dict(section)
-        seq_len = seq_len or model_config.max_seq_len
-        check(seq_len <= model_config.max_seq_len,
-              f"train.seq_len={seq_len} exceeds model.max_seq_len={model_config.max_seq_len}")
+        family, model_config, section, seq_len = config_for_tokenizer(model_section, tokenizer, seq_len)
         model = create_model(family, model_config)
         task = cls(dataset, batch_size=batch_size, seq_len=seq_len, label_smoothing=label_smoothing,
                    eval_batches=eval_batches, order=data.order, memory_len=getattr(model_config, "memory_len", 0))

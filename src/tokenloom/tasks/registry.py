@@ -16,6 +16,10 @@ class Sharded:
     means the same for any number of processes."""
 
     rank, world_size = 0, 1
+    needs_reference = False  # setup() takes reference=: train.init_from (or None), the checkpoint whose weights stay
+    #   frozen as the reference (preference alignment, policy optimisation), on resume too
+    fresh_weights: tuple[str, ...] = ()  # name prefixes of weights train.init_from may lack (a task's new head, e.g. a
+    #   reward model's score_head): they start from their initial values
 
     @classmethod
     def model_stand_ins(cls, model: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:
@@ -26,6 +30,11 @@ class Sharded:
 
     def shard(self, rank: int, world_size: int) -> None:
         self.rank, self.world_size = rank, world_size
+
+    def train_metrics(self) -> dict[str, float]:
+        """The task's own training metrics since the last call, averaged (the Trainer adds them to each
+        ``metrics.jsonl`` line of a training step); none by default."""
+        return {}
 
     def local(self, per_rank: int) -> slice:
         """This rank's rows of a global batch of ``world_size * per_rank``."""

@@ -34,6 +34,8 @@ from ..devices import DEVICE
 from ..errors import CheckpointError, ConfigError, DataError
 from ..models.factory import model_config_from_dict
 from ..models.registry import MODELS
+from ..nn.lora import DEFAULT_TARGETS as DEFAULT_LORA_TARGETS
+from ..nn.lora import check_targets as check_lora_targets
 from ..packaged import resolve_recipe, where_bundled
 from ..tasks import TASKS
 from .distributed import BACKENDS, STRATEGIES
@@ -79,6 +81,38 @@ class ScheduledSamplingConfig:
 
 
 @dataclass
+class LoRAConfig:
+    """Low-rank adapters (``train.lora``, :mod:`tokenloom.nn.lora`): with ``rank`` > 0 the model's weights are frozen
+    and only an update ``(alpha / rank) * B @ A`` of each target linear layer trains; checkpoints hold the adapter
+    (adapter.safetensors + adapter.json) and name the base weights instead of copying them; loading one for
+    generation, evaluation or serving gives the base with the adapter merged (docs/alignment.md)."""
+
+    rank: int = 0  # r of each update B @ A (8 or 16 are usual); 0 = off (the whole model trains)
+    alpha: float = 16.0  # the update is scaled by alpha / rank
+    dropout: float = 0.0  # dropout on the adapters' input (training only)
+    targets: list[str] = field(default_factory=lambda: list(DEFAULT_LORA_TARGETS))  # linear layers to adapt, by
+    #   qualified name: fnmatch globs (a glob without a dot also matches a name's last part: out_proj) or re:REGEX;
+    #   the default: attention's projections and the MLP's layers
+    quantize_base: Literal["int8", "int4"] | None = None  # QLoRA: quantise the frozen base of every adapted layer
+    #   (int8 per output channel; int4 in groups of input columns) at the start of the run; the adapters train in
+    #   float
+
+    def __post_init__(self) -> None:
+        check(isinstance(self.rank, int) and not isinstance(self.rank, bool) and self.rank >= 0,
+              f"train.lora.rank must be an integer >= 0 (0 = off), got {self.rank!r}")
+        check(self.alpha > 0, f"train.lora.alpha must be positive, got {self.alpha}")
+        check(0.0 <= self.dropout < 1.0, f"train.lora.dropout must be in [0, 1), got {self.dropout}")
+        check_lora_targets(self.targets)
+        check(self.quantize_base is None or self.rank > 0,
+              f"train.lora.quantize_base={self.quantize_base} needs train.lora.rank > 0 (QLoRA trains adapters over "
+              "the quantised base)")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
+
+
+@dataclass
 class TrainConfig:
     """The ``train:`` section of a recipe: optimisation, schedule, precision, evaluation and checkpoints (every key
     with its default: the recipe reference, docs/reference/recipes.md)."""
@@ -120,6 +154,7 @@ class TrainConfig:
     strategy: str = "auto"  # several processes (torchrun): auto | single | ddp | fsdp (docs/distributed.md)
     backend: str = "auto"  # torch.distributed backend: auto | gloo | nccl (auto: nccl on CUDA, gloo on the CPU)
     scheduled_sampling: ScheduledSamplingConfig = field(default_factory=ScheduledSamplingConfig)  # translation
+    lora: LoRAConfig = field(default_factory=LoRAConfig)  # low-rank adapters: train a small update of a frozen model
 
     def __post_init__(self) -> None:
         for name in ("max_steps", "batch_size", "grad_accum_steps", "eval_batches", "log_every"):
@@ -133,6 +168,8 @@ class TrainConfig:
         check(self.threads is None or self.threads >= 1,
               f"train.threads must be a positive integer or null, got {self.threads}")
         check(self.average_last >= 0, f"train.average_last must be >= 0, got {self.average_last}")
+        check(not (self.average_last and self.lora.enabled), "train.average_last averages whole weights; with "
+              "train.lora (adapters) it does not apply: set one of them to 0")
         check(self.seq_len is None or self.seq_len >= 1, f"train.seq_len must be >= 1, got {self.seq_len}")
         check(len(self.betas) == 2 and all(0 <= b < 1 for b in self.betas),
               f"train.betas must be two numbers in [0, 1), got {self.betas}")
@@ -160,11 +197,13 @@ class TrainConfig:
 
 
 SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed takes seeds in [0, 2^64) (and [-2^63, 0), which is refused here)
-TOKENIZER_KEYS = ("eos_token",)
+TOKENIZER_KEYS = ("eos_token", "chat_template", "bos_token")  # chat_template: "default" or a Jinja string;
+#   bos_token: what the template writes for {{ bos_token }} (tokenloom.data.chat)
 
 
 def check_tokenizer_section(section: Any, where: str = "tokenizer") -> None:
-    """A run's (or a checkpoint's) ``tokenizer`` section: ``eos_token``, a token of the vocabulary or null."""
+    """A run's (or a checkpoint's) ``tokenizer`` section: ``eos_token``, a token of the vocabulary or null;
+    ``chat_template`` and ``bos_token`` (strings or null) for chat templates."""
     check(isinstance(section, dict), f"{where} must be a mapping (eos_token: ...), got {section!r}")
     errors: list[ConfigError] = []
     for key, value in section.items():

@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -36,11 +37,17 @@ class MasterWeights:
     Create it while the model is still float32 (so the masters are exact), then call :meth:`to_low`.
     """
 
-    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> None:
+    def __init__(self, model: nn.Module, dtype: torch.dtype = torch.bfloat16, keep: Iterable[str] = ()) -> None:
+        """``keep``: names of untrained floating state (a LoRA run's frozen base, a quantised base's scales) that
+        :meth:`to_fp32` and :meth:`state_dict` give back unrounded: the float32 tensors themselves are held (no copy)
+        while the model runs in bf16."""
         self.model, self.dtype = model, dtype
         self.params = [p for p in model.parameters() if p.requires_grad]  # a tied weight appears once
         self.masters = [nn.Parameter(p.detach().float().clone()) for p in self.params]
         self._by_id = {id(p): m for p, m in zip(self.params, self.masters, strict=True)}
+        keep = set(keep)
+        self.frozen = {name: t.detach() for name, t in model.state_dict(keep_vars=True).items()
+                       if name in keep and t.is_floating_point() and id(t) not in self._by_id}
 
     def master_of(self, param: Tensor) -> nn.Parameter:
         return self._by_id[id(param)]
@@ -51,9 +58,15 @@ class MasterWeights:
         self.copy_to_model()
 
     def to_fp32(self) -> None:
-        """Model back to float32, holding the exact master values (for evaluation, export, sampling)."""
+        """Model back to float32, holding the exact master values (for evaluation, export, sampling) and the exact
+        untrained state."""
         self.model.float()
         self.copy_to_model()
+        if self.frozen:
+            state = self.model.state_dict(keep_vars=True)
+            with torch.no_grad():
+                for name, tensor in self.frozen.items():
+                    state[name].copy_(tensor)
 
     @torch.no_grad()
     def copy_to_model(self) -> None:
@@ -72,9 +85,11 @@ class MasterWeights:
             p.grad = None
 
     def state_dict(self) -> dict[str, Tensor]:
-        """The model's state dict with every parameter replaced by its float32 master."""
+        """The model's state dict with every parameter replaced by its float32 master (and the untrained floating
+        state by its float32 original)."""
         state = self.model.state_dict(keep_vars=True)
         for name, p in self.model.named_parameters(remove_duplicate=False):
             if id(p) in self._by_id:
                 state[name] = self._by_id[id(p)]
+        state.update((name, tensor) for name, tensor in self.frozen.items() if name in state)
         return {k: v.detach() for k, v in state.items()}

@@ -18,9 +18,11 @@ from ..checkpoint import (
     resolve_checkpoint,
 )
 from ..errors import CheckpointError, ConfigError
+from ..nn.lora import is_adapter
 from ..tasks import TASKS
 from .config import RunConfig
 from .distributed import SINGLE, Distributed
+from .lora import resume_lora, start_lora
 from .trainer import HISTORY_DIR, Trainer
 
 
@@ -64,9 +66,10 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
     torch.manual_seed(t.seed)
     if dist.active and not dist.is_main:
         tokenizer = dist.broadcast_object(None)  # waits until rank 0 has prepared the data
+    extra = {"reference": t.init_from} if task_cls.needs_reference else {}  # the frozen reference's weights
     task, model, tokenizer, section = task_cls.setup(
         config.data_config, model_section, run_dir, batch_size=t.batch_size, seq_len=t.seq_len,
-        label_smoothing=t.label_smoothing, eval_batches=t.eval_batches, tokenizer=tokenizer, seed=t.seed,
+        label_smoothing=t.label_smoothing, eval_batches=t.eval_batches, tokenizer=tokenizer, seed=t.seed, **extra,
         **({"scheduled_sampling": t.scheduled_sampling} if t.scheduled_sampling.schedule != "none" else {}))
     if dist.active and dist.is_main:
         dist.broadcast_object(tokenizer)
@@ -80,18 +83,30 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
             raise ConfigError(f"train.activation_checkpointing: {type(model).__name__} models have no per-block "
                               "activation checkpointing (GPT and the encoder-decoder families do)")
         model_config.gradient_checkpointing = True
-    if checkpoint is not None:  # before the Trainer takes float32 masters of the weights
+    adapter = None  # train.lora: the adapter's settings (a LoRA run resumed: its base and adapter are loaded here)
+    if resume and checkpoint is not None and is_adapter(checkpoint):
+        adapter = resume_lora(model, checkpoint, t.lora, task_cls.fresh_weights)
+    elif checkpoint is not None:  # before the Trainer takes float32 masters of the weights
+        if resume and t.lora.enabled:
+            raise CheckpointError(f"cannot resume with train.lora: {checkpoint} holds no adapter (the run trained "
+                                  "the whole model); start a LoRA run with train.init_from instead")
         try:
             # fine-tuning may switch the attention backend: a performer's random features or a linformer's
             # projections, absent from a checkpoint trained with exact attention, start from their initial values
-            load_weights(model, checkpoint, fresh=None if resume else (lambda name: ".backend." in name))
+            # (and a task's new head, e.g. a reward model's score_head on a language model: task_cls.fresh_weights)
+            # (not under LoRA: its checkpoints name the base weights instead of holding them, so all must be there)
+            load_weights(model, checkpoint, fresh=None if resume else (
+                lambda name: (".backend." in name and not t.lora.enabled) or name.startswith(task_cls.fresh_weights)))
         except CheckpointError as err:
             if resume:
                 raise
             raise ConfigError(f"train.init_from={t.init_from}: {err} (the recipe's model section may only change "
                               f"settings that keep the weights, e.g. dropout, attention)") from None
+    if t.lora.enabled and adapter is None:  # a fresh LoRA run: base frozen (quantised), adapters put in
+        adapter = start_lora(model, config, run_dir, section, tokenizer, checkpoint, task_cls.fresh_weights,
+                             write=dist.is_main)
     trainer = Trainer(config, model, task, run_dir, tokenizer=tokenizer, model_section=section,
-                      show_progress=show_progress, dist=dist)
+                      show_progress=show_progress, dist=dist, adapter=adapter)
     if resume:
         trainer.load_state(checkpoint)
     return trainer

@@ -37,6 +37,8 @@ from ..devices import peak_memory, to_device, training_device
 from ..errors import CheckpointError, TrainingError
 from ..hardware import choose_precision, machine
 from ..metric_scope import scope_fields, scoped_name
+from ..nn.fused import weights_updated
+from ..nn.lora import AdapterSpec, frozen_state_names, lora_state_dict, parameter_counts, save_adapter
 from ..nn.modes import eval_mode
 from . import distributed
 from .compile import CompiledForward
@@ -118,7 +120,8 @@ class Trainer:
 
     def __init__(self, config: RunConfig, model: nn.Module, task: Any, run_dir: str | Path, *,
                  tokenizer: Any = None, model_section: dict[str, Any] | None = None,
-                 show_progress: bool | None = None, dist: Distributed = SINGLE) -> None:
+                 show_progress: bool | None = None, dist: Distributed = SINGLE,
+                 adapter: AdapterSpec | None = None) -> None:
         # train.device auto -> a CUDA GPU (cuda:LOCAL_RANK when distributed), else MPS, else the CPU
         self.device_choice = training_device(config.train.device, local_rank=dist.local_rank if dist.active else None)
         self.device = self.device_choice.device
@@ -147,6 +150,12 @@ class Trainer:
                 raise TrainingError(f"{type(task).__name__} cannot split its batches across processes")
             task.shard(dist.rank, dist.world_size)
         self.fsdp = dist.strategy == "fsdp"
+        # train.lora: the model holds adapters over its frozen base; checkpoints hold the adapter and name the base
+        self.adapter = adapter
+        if adapter is not None and self.fsdp:
+            raise TrainingError("train.lora with train.strategy fsdp is not supported (the frozen base and the "
+                                "adapters would be sharded alike); use ddp")
+        self.parameter_counts = parameter_counts(model)  # (trainable, total) values
         self.forward_model = CompiledForward(model, t.compile_mode) if t.compile else model  # what the loss calls
         # DDP / FSDP wrap the whole loss computation (TaskLoss), not just the model's forward
         self.wrapper = distributed.TaskLoss(task, model, self.forward_model) if dist.strategy != "single" else None
@@ -154,7 +163,9 @@ class Trainer:
             distributed.fully_shard_model(self.wrapper, t.precision)
         # bf16: the optimizer updates float32 masters; the model runs in bf16 during fit() (FSDP: its sharded
         # float32 parameters are the masters, its mixed-precision policy computes in bf16)
-        self.master = MasterWeights(model) if t.precision == "bf16" and not self.fsdp else None
+        # (a LoRA run's frozen base has no masters: the float32 originals are kept and given back unrounded)
+        self.master = MasterWeights(model, keep=frozen_state_names(model) if adapter is not None else ()) \
+            if t.precision == "bf16" and not self.fsdp else None
         params = self.master.masters if self.master else model
         self.optimizer = create_optimizer(params, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas))
         self.schedule_spec = ScheduleSpec.of(t)  # a resume replaces it by the run's recorded one (load_state)
@@ -188,6 +199,9 @@ class Trainer:
             data["data"] = {**(data.get("data") or {}), **self.task.checkpoint_data()}
         eos = getattr(self.tokenizer, "eos_token", None)
         data["tokenizer"] = {"eos_token": eos} if eos is not None else {}
+        for key in ("chat_template", "bos_token"):  # the chat template (tokenloom.data.chat) goes along
+            if getattr(self.tokenizer, key, None) is not None:
+                data["tokenizer"][key] = getattr(self.tokenizer, key)
         data["machine"] = {**machine().as_dict(), "precision": self.precision.as_dict(),
                            "device": {"requested": self.config.train.device, "chosen": str(self.device),
                                       "reason": self.device_choice.reason}}
@@ -249,8 +263,7 @@ class Trainer:
             os.replace(self.checkpoint_dir, target)
             for old in sorted(history.glob("step-*"))[:-(keep - 1)]:
                 shutil.rmtree(old, ignore_errors=True)
-        write_checkpoint(self.checkpoint_dir, self.model, self._config_dict(), self.tokenizer, extra=save_state,
-                         state_dict=weights)
+        self._write_checkpoint(self.checkpoint_dir, self._config_dict(), weights, extra=save_state)
         if self.config.train.average_last:
             self._snapshot(weights)
 
@@ -329,7 +342,22 @@ class Trainer:
             if self.dist.is_main:
                 config = {**self._config_dict(), "best": {"metric": name, "value": value, "step": self.step}}
                 with self._disk(self.run_dir / "best"):
-                    write_checkpoint(self.run_dir / "best", self.model, config, self.tokenizer, state_dict=weights)
+                    self._write_checkpoint(self.run_dir / "best", config, weights)
+
+    def _write_checkpoint(self, directory: Path, config: dict[str, Any], weights: dict[str, torch.Tensor] | None,
+                          extra: Any = None) -> Path:
+        """A checkpoint of the model (``weights``: the state to save, None for the model's own); a LoRA run's holds
+        the adapter files (adapter.safetensors, adapter.json) in place of model.safetensors: its base is named."""
+        if self.adapter is None:
+            return write_checkpoint(directory, self.model, config, self.tokenizer, extra=extra, state_dict=weights)
+        tensors = lora_state_dict(self.model, weights)
+
+        def files(tmp: Path) -> None:
+            save_adapter(tmp, tensors, self.adapter)
+            if extra is not None:
+                extra(tmp)
+
+        return write_checkpoint(directory, None, config, self.tokenizer, extra=files, weights=False)
 
     def load_state(self, checkpoint: str | Path) -> None:
         """Restore optimizer, scheduler, RNGs and step from a checkpoint (weights are loaded by the caller)."""
@@ -552,6 +580,7 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
+        weights_updated()  # the fused AdamW bumps no version counter: decode steps must not reuse pre-step weights
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
@@ -650,7 +679,8 @@ class Trainer:
                     tps = window_tokens / max(elapsed, 1e-9)
                     lr = self.scheduler.get_last_lr()[0]
                     self._log({"step": self.step, "loss": round(loss, 7), "lr": lr, "tokens_per_s": round(tps, 1),
-                               "elapsed_s": round(time.perf_counter() - start_time, 2)})
+                               "elapsed_s": round(time.perf_counter() - start_time, 2),
+                               **self.task.train_metrics()})  # the task's own (GRPO: reward, kl, ...)
                     bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
                     window_tokens, window_start = 0, time.perf_counter()
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
@@ -686,7 +716,8 @@ class Trainer:
         elapsed = time.perf_counter() - start_time
         summary = {"step": self.step, "train_loss": loss, **metrics, "stopped_by": stopped_by,
                    "nonfinite_steps": self.nonfinite_steps, "tokens": self.tokens_seen,
-                   "steps_this_run": self.step - start_step, "seconds": round(elapsed, 1), "device": str(self.device)}
+                   "steps_this_run": self.step - start_step, "seconds": round(elapsed, 1), "device": str(self.device),
+                   "trainable_parameters": self.parameter_counts[0], "parameters": self.parameter_counts[1]}
         if (peak := peak_memory(self.device)) is not None:  # CUDA: the most memory this run held
             summary["peak_memory_mb"] = round(peak / 2**20, 1)
         return summary

@@ -88,16 +88,40 @@ async def chat(request: HTTPRequest):
                                and isinstance(m.get("role"), str) for m in messages):
         raise APIError(400, "'messages' must be a non-empty list of {role, content} objects with string "
                             "role and content", param="messages", code="invalid_type")
-    prompt = "".join(m["content"] + "\n" for m in messages)  # no chat template: plain concatenation
+    prompt = chat_prompt(state, messages)
     k = logprob_settings(body, chat=True)
     settings = generation_settings(body, config, default_max_tokens=config.max_tokens, vocab=state.vocab)
     settings.update(logprobs=k, echo=False, constraint=await constraint_of(body, state))
-    settings["max_tokens"] = min(settings["max_tokens"], max(1, state.model.config.max_seq_len - len(
-        encode(state, prompt, "messages")) - 1))
+    if state.chat_template is not None:  # a reply ends at the template's end marker
+        settings["stop"] = list(dict.fromkeys([*settings["stop"], *state.chat_template.stop_strings]))
+    prompt_len = len(prompt) if isinstance(prompt, list) else len(encode(state, prompt, "messages"))
+    settings["max_tokens"] = min(settings["max_tokens"], max(1, state.model.config.max_seq_len - prompt_len - 1))
     jobs = make_requests(state, [prompt], settings, "messages")
     return await reply(request, state, jobs, settings, "chat", "chatcmpl", "chat.completion", chat_chunk,
                        lambda c: {"index": c.index, "message": {"role": "assistant", "content": c.text},
                                   "logprobs": c.logprobs(), "finish_reason": c.finish_reason})
+
+
+def chat_prompt(state: ServerState, messages: list[dict]) -> str | list[int]:
+    """The prompt of a chat request: with the checkpoint's chat template, the ids of the rendered messages ending in
+    the assistant header (roles system, user, assistant); without one, the contents joined by newlines."""
+    template = state.chat_template
+    if template is None:
+        return "".join(m["content"] + "\n" for m in messages)  # no chat template: plain concatenation
+    from ...data.chat import ROLES
+
+    bad = next((m["role"] for m in messages if m["role"] not in ROLES), None)
+    if bad is not None:
+        raise APIError(400, f"'messages' holds role {json.dumps(bad)[:40]}; the chat template knows "
+                            f"{', '.join(ROLES)}", param="messages", code="invalid_value")
+    try:
+        ids = template.encode_prompt(state.tokenizer, [{"role": m["role"], "content": m["content"]} for m in messages])
+    except Exception as err:  # noqa: BLE001 - a tokenizer / template error
+        raise APIError(400, f"'messages' cannot be encoded: {str(err).splitlines()[0]}", param="messages",
+                       code="invalid_value") from None
+    if not ids:
+        raise APIError(400, "'messages' is empty after tokenization", param="messages", code="invalid_value")
+    return ids
 
 
 async def constraint_of(body: dict, state: ServerState):  # noqa: ANN201 - a function making constraints, or None
