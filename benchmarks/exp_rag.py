@@ -85,25 +85,33 @@ def counterfactual(hits: list, q: dict, values: list[str], rng: random.Random) -
 
 
 def sft_rows(retriever, questions: list[dict], no_context: float, counterfactual_share: float,  # noqa: ANN001
-             seed: int) -> tuple[list[dict], dict]:
-    """The SFT conversations ({"messages": [user prompt, assistant value]}) and counts of their kinds."""
+             seed: int, extra_questions: int = 0) -> tuple[list[dict], dict]:
+    """The SFT conversations (``{"messages": [...]}``) and counts of their kinds. Retrieval for training keeps only
+    seen people's passages (the top 3 of them), so no held-out document enters any training prompt. With
+    ``extra_questions`` k, an example with passages continues with k more turns (``Question: ...\nAnswer:`` and
+    the value) about the people of the other passages in its prompt: more answer tokens per prompt read, and each
+    teaches to pick the passage whose name the question gives."""
     from tokenloom.retrieval import RagConfig, build_prompt
 
     rng = random.Random(seed)
     config = RagConfig(top_k=TOP_K)
     values: dict[str, list[str]] = {}
+    by_doc: dict[str, list[dict]] = {}
+    for q in read_jsonl(KB / "qa_seen.jsonl"):
+        by_doc.setdefault(q["doc"], []).append(q)
     for q in read_jsonl(KB / "qa_seen.jsonl") + read_jsonl(KB / "qa_heldout.jsonl"):
         values.setdefault(q["attribute"], [])
         if q["answer"] not in values[q["attribute"]]:
             values[q["attribute"]].append(q["answer"])
-    rows, counts = [], {"context": 0, "no_context": 0, "counterfactual": 0, "gold_retrieved": 0}
+    rows, counts = [], {"context": 0, "no_context": 0, "counterfactual": 0, "gold_retrieved": 0, "extra_turns": 0}
     for q in questions:
         answer = q["answer"]
+        turns: list[tuple[str, str]] = []
         if rng.random() < no_context:
             prompt = build_prompt(q["question"], [], config)
             counts["no_context"] += 1
         else:
-            hits = retriever.search(q["question"], TOP_K)
+            hits = [h for h in retriever.search(q["question"], TOP_K + 12) if h.passage.doc_id in by_doc][:TOP_K]
             gold = any(h.passage.id == q["doc"] for h in hits)
             counts["gold_retrieved"] += gold
             if gold and rng.random() < counterfactual_share:
@@ -111,7 +119,15 @@ def sft_rows(retriever, questions: list[dict], no_context: float, counterfactual
                 counts["counterfactual"] += 1
             prompt = build_prompt(q["question"], hits, config)
             counts["context"] += 1
-        rows.append({"messages": [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]})
+            others = [h.passage.doc_id for h in hits if h.passage.doc_id != q["doc"]]
+            for doc in (others * extra_questions)[:extra_questions]:
+                extra = rng.choice(by_doc[doc])
+                turns.append((build_prompt(extra["question"], [], config).lstrip("\n"), extra["answer"]))
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": answer}]
+        for user, reply in turns:
+            messages += [{"role": "user", "content": user}, {"role": "assistant", "content": reply}]
+        counts["extra_turns"] += len(turns)
+        rows.append({"messages": messages})
     rng.shuffle(rows)
     return rows, counts
 
@@ -209,6 +225,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-context", type=float, default=0.2, help="share of SFT examples without passages")
     parser.add_argument("--counterfactual", type=float, default=0.0,
                         help="share of SFT examples whose gold passage and answer get another value")
+    parser.add_argument("--extra-questions", type=int, default=0,
+                        help="SFT: more question turns per prompt, about the other passages' people")
     parser.add_argument("--steps", type=int, default=900)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
@@ -230,7 +248,8 @@ def main(argv: list[str] | None = None) -> dict:
     retriever = Retriever.open(index)
     seen = read_jsonl(KB / "qa_seen.jsonl")
     random.Random(args.seed).shuffle(seen)
-    rows, counts = sft_rows(retriever, seen[:args.train_questions], args.no_context, args.counterfactual, args.seed)
+    rows, counts = sft_rows(retriever, seen[:args.train_questions], args.no_context, args.counterfactual, args.seed,
+                            args.extra_questions)
     data = write_jsonl(args.out / "sft.jsonl", rows)
     print(f"SFT set: {len(rows)} conversations {counts}", flush=True)
     before = evaluate(base, retriever, read_jsonl(KB / "qa_heldout.jsonl")[:args.questions], args.seed)

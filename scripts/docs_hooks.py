@@ -35,6 +35,7 @@ GUIDE: dict[str, tuple[str, list[str]]] = {
     "guide/nat.md": ("Non-autoregressive translation", ["Non-autoregressive translation (NAT, Mask-Predict, CTC)"]),
     "guide/vision.md": ("Vision", ["Vision (ViT and Swin)"]),
     "guide/huggingface.md": ("Hugging Face models", ["Hugging Face models in and out"]),
+    "guide/alignment.md": ("Alignment and retrieval", ["Alignment: instruction tuning, LoRA, preferences, retrieval"]),
     "guide/viz.md": ("Seeing inside", ["Seeing inside (viz and report)"]),
     "guide/serving.md": ("Serving", ["Serving (OpenAI-compatible)"]),
     "guide/speed.md": ("Speed", ["Speed"]),

@@ -122,6 +122,32 @@ def test_a_counterfactual_changes_the_gold_passage_and_the_answer_only():
     assert [h.passage.id for h in changed] == ["e0002", "e0001"]
 
 
+def test_the_rag_training_set_holds_no_held_out_passage_and_its_extra_turns_ask_about_the_other_passages(tmp_path):
+    pytest.importorskip("bm25s")
+    from tokenloom.retrieval import Retriever, build_index
+
+    build_index(ROOT / "data" / "kb" / "docs.jsonl", tmp_path / "index")
+    retriever = Retriever.open(tmp_path / "index")
+    questions = _lines("qa_seen")[:60]
+    rows, counts = exp_rag.sft_rows(retriever, questions, 0.2, 0.0, 0, extra_questions=2)
+    assert counts["context"] + counts["no_context"] == 60 and counts["extra_turns"] == 2 * counts["context"]
+    heldout = {e["id"] for e in _lines("entities") if e["split"] == "heldout"}
+    qa = {(q["question"], q["answer"]): q for q in _lines("qa_seen")}
+    for row in rows:
+        first = row["messages"][0]["content"]
+        passages = re.findall(r"^\[(e\d{4})\] ", first, flags=re.M)
+        assert not set(passages) & heldout and len(passages) in (0, 3)
+        assert first.endswith("\nAnswer:") and "Question: " in first
+        gold = qa[(first.split("Question: ")[-1].removesuffix("\nAnswer:"), row["messages"][1]["content"])]
+        assert not passages or gold["doc"] in passages  # BM25 finds the person named in the question
+        turns = row["messages"][2:]
+        assert len(turns) == (4 if passages else 0)
+        for user, reply in zip(turns[::2], turns[1::2], strict=True):
+            question = user["content"].removeprefix("Question: ").removesuffix("\nAnswer:")
+            asked = qa[(question, reply["content"])]  # a real question about a seen person, with its answer
+            assert asked["doc"] in passages and asked["doc"] != gold["doc"]  # about another passage of the prompt
+
+
 @pytest.mark.slow
 def test_each_driver_runs_its_quick_mode(tmp_path):
     """About a minute each on a shared 2-core machine: each trains a tiny base once (kept in --out), then a few
