@@ -8,13 +8,17 @@ a retrieved passage (chance: 1/60 towns, 1/40 occupations, 1/100 years).
 
 1. ``tokenloom index data/kb/docs.jsonl`` (BM25 over all 2,000 documents, one passage each).
 2. The SFT set: every question about a seen person (4,800) as the prompt ``tokenloom generate --rag`` builds
-   (:func:`tokenloom.retrieval.build_prompt`: the top-3 BM25 passages ``[e0001] NAME\\nTEXT`` in rank order, then
-   ``Question: ...\\nAnswer:``) followed by `` VALUE`` and a line break; a fifth (``--no-context``) without
-   passages (the model answers from what it read in pretraining). With ``--counterfactual F`` a fraction F of the
-   examples with the gold passage in the prompt get another value of the attribute written into that passage and
-   as the answer, so that the model learns to read the passage rather than recall (default 0: the plain set).
-   Rendered by a Jinja chat template that writes the prompt as it is (no ``User:`` header), so training and
-   ``generate --rag`` see the same text; the loss covers the answer and its line break only.
+   (:func:`tokenloom.retrieval.build_prompt`: the top-3 BM25 passages ``[e0001] NAME\nTEXT`` in rank order, then
+   ``Question: ...\nAnswer:``) followed by `` VALUE`` and a line break; a fifth (``--no-context``) without
+   passages (the model answers from what it read in pretraining). Training retrieval keeps seen people's passages
+   only, so no held-out document is in any training prompt. ``--extra-questions K`` (default 2): a prompt with
+   passages continues with K more turns ``Question: ...\nAnswer: VALUE`` about the people of its other passages
+   -- three times the answer tokens for each prompt read, and each turn teaches to pick the passage that the
+   question names (with one question per prompt, 600 steps learned to copy towns, 85%, but not occupations or
+   years). With ``--counterfactual F`` a fraction F of the examples with the gold passage get another value of the
+   attribute written into that passage and as the answer (a model that recalls instead of reading is wrong on
+   them; default 0). Rendered by a Jinja chat template that writes the prompt as it is (no ``User:`` header), so
+   training and ``generate --rag`` see the same text; the loss covers the answers and their line breaks only.
 3. ``task: sft`` from the pretrained model (``train.init_from``), ``--steps`` steps.
 4. Evaluation on ``--questions`` held-out questions, greedy, the answer cut at the line break
    (:func:`tokenloom.retrieval.rag.answer_text`), as ``generate --rag`` does:
@@ -225,12 +229,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--no-context", type=float, default=0.2, help="share of SFT examples without passages")
     parser.add_argument("--counterfactual", type=float, default=0.0,
                         help="share of SFT examples whose gold passage and answer get another value")
-    parser.add_argument("--extra-questions", type=int, default=0,
+    parser.add_argument("--extra-questions", type=int, default=2,
                         help="SFT: more question turns per prompt, about the other passages' people")
     parser.add_argument("--steps", type=int, default=900)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
