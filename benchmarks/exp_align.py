@@ -21,7 +21,7 @@ of the value (``The answer is Keford.`` and ``Keford`` both give Keford), and fo
 model in nats per reply (:func:`tokenloom.tasks.policy.policy_kl`: Monte Carlo over the policy's own samples at
 T = 1). Prints a Markdown table and one JSON line; the machine first.
 
-    python benchmarks/exp_align.py                     # about 15 minutes on 2 CPU cores
+    python benchmarks/exp_align.py                     # 9.3 minutes on 2 shared CPU cores (AMD EPYC)
     python benchmarks/exp_align.py --quick             # a smoke run: a tiny model, a few steps
 """
 

@@ -12,11 +12,11 @@ run in its own process (``tokenloom train``) with the same data, steps, batch an
 
 Reported per run: the final validation loss (mean cross-entropy over the response tokens, the whole split), its
 gap to full fine-tuning, the trainable parameters (count and share), the peak resident memory of the process
-(``ru_maxrss``: the runtime, the model and the optimizer state together; the adapters save the frozen weights'
-gradients and AdamW moments, a few tens of MB at this size) and the mean time per step. Prints a Markdown table
-and one JSON line; the machine first.
+(``ru_maxrss``: the runtime, the model and the optimizer state together; at 3.2M parameters the frozen weights'
+gradients, AdamW moments and fp32 master copies that adapters save are about 50 MB; the runtime's few hundred MB
+dominate) and the mean time per step. Prints a Markdown table and one JSON line; the machine first.
 
-    python benchmarks/exp_lora.py                   # about 12 minutes on 2 CPU cores
+    python benchmarks/exp_lora.py                   # 13.1 minutes on 2 shared CPU cores (AMD EPYC)
     python benchmarks/exp_lora.py --quick           # a smoke run: a tiny model, a few steps
 """
 

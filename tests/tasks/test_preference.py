@@ -150,7 +150,7 @@ def test_reply_logprobs_score_only_the_reply_tokens(tmp_path):
         logp = F.log_softmax(model(torch.tensor([ids])).float(), -1)[0]  # (T, V)
     manual = sum(float(logp[t - 1, ids[t]]) for t in range(start, end))
     assert int(count) == end - start
-    assert math.isclose(float(total), manual, rel_tol=1e-5)
+    assert math.isclose(float(total.detach()), manual, rel_tol=1e-5)
 
 
 def test_truncation_keeps_the_reply_and_the_token_before_it(tmp_path):
