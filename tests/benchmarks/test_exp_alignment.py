@@ -56,12 +56,12 @@ def test_held_out_people_appear_in_no_training_text(kb):
     words = set(re.findall(r"[A-Za-z]+", training))
     for e in heldout:  # nothing about them can be learned
         assert e["name"] not in training
-    eval_people = {q["prompt"] for q in kb["format_eval"]}
-    assert not eval_people & {r["prompt"] for r in kb["format_sft"]}
+    eval_prompts = {q["prompt"] for q in kb["format_eval"]}
+    assert not eval_prompts & {r["prompt"] for r in kb["format_sft"]}
     assert {"Question", "Answer", "User", "Assistant"} <= words  # both prompt phrasings are in the language
 
 
-def test_attributes_are_independent_of_the_name_and_cover_their_ranges(kb):
+def test_attributes_cover_their_ranges_and_each_document_states_its_values(kb):
     towns = {e["town"] for e in kb["entities"]}
     jobs = {e["occupation"] for e in kb["entities"]}
     years = {e["year"] for e in kb["entities"]}
