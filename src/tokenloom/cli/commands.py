@@ -21,7 +21,7 @@ from ..errors import ConfigError, DataError, GenerationError, TrainingError
 from ..generation.config import offset_seed
 from ..models.registry import decoding_of
 from .loading import load_inference_model, translation_model
-from .progress import progress
+from .progress import print_result, progress
 
 
 def train(args: argparse.Namespace) -> int:
@@ -444,11 +444,7 @@ def evaluate(args: argparse.Namespace) -> int:
     if tokens:
         result["tokens"] = tokens
         result["tokens_per_s"] = round(tokens / seconds, 1)
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:>14}: {value:.4f}" if isinstance(value, float) else f"{key:>14}: {value}")
+    print_result(result, args.json)
     return 0
 
 
@@ -471,11 +467,7 @@ def _evaluate_sft(args: argparse.Namespace, ckpt: Path, config: dict) -> int:
         metrics = task.evaluate(model, max_batches=args.batches, split=args.split)
     result = {"checkpoint": str(ckpt), "data": data.path, "split": args.split, **metrics,
               "seconds": round(time.perf_counter() - start, 2)}
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:>14}: {value:.4f}" if isinstance(value, float) else f"{key:>14}: {value}")
+    print_result(result, args.json)
     return 0
 
 

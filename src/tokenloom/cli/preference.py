@@ -6,13 +6,13 @@ and ``tokenloom evaluate`` of a ``dpo`` or ``reward`` checkpoint. Importing this
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ConfigError
+from .progress import print_result
 
 
 def add_best_of_options(p: argparse.ArgumentParser) -> None:
@@ -117,9 +117,5 @@ def evaluate_preference(args: argparse.Namespace, ckpt: Path, config: dict) -> i
         metrics = task.evaluate(model, max_batches=args.batches, split=args.split)
     result = {"checkpoint": str(ckpt), "data": args.data or data.val_path or data.path, "split": args.split,
               **metrics, "seconds": round(time.perf_counter() - start, 2)}
-    if args.json:
-        print(json.dumps(result))
-    else:
-        for key, value in result.items():
-            print(f"{key:>18}: {value:.4f}" if isinstance(value, float) else f"{key:>18}: {value}")
+    print_result(result, args.json, width=18)
     return 0

@@ -4,6 +4,7 @@ a tqdm bar while stderr is a terminal, and in every case one summary line on std
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import warnings
@@ -56,3 +57,13 @@ def progress(command: str, total: int | None, verb: str, unit: str) -> Iterator[
             warnings.showwarning = shown
             bar.close()
     print(summary(verb, done, unit, time.perf_counter() - start), file=sys.stderr, flush=True)
+
+
+def print_result(result: dict, as_json: bool, width: int = 14) -> None:
+    """A command's result on stdout: one JSON line (``--json``), else a ``key: value`` line per entry (floats to
+    four decimals, the keys right-aligned to ``width``)."""
+    if as_json:
+        print(json.dumps(result))
+        return
+    for key, value in result.items():
+        print(f"{key:>{width}}: {value:.4f}" if isinstance(value, float) else f"{key:>{width}}: {value}")
