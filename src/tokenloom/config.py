@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import reprlib
 import types
 import typing
 from collections.abc import Callable, Sequence
@@ -103,28 +104,28 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
                 #   mapping with several problems of the dataclass it is given for
             except ConfigError as err:
                 errors.append(err)
-        raise ConfigError(f"{where}: expected {type_name(tp)}, got {value!r}")
+        raise ConfigError(f"{where}: expected {type_name(tp)}, got {shown(value)}")
     if tp is type(None):
         if value is None:
             return None
-        raise ConfigError(f"{where}: expected null, got {value!r}")
+        raise ConfigError(f"{where}: expected null, got {shown(value)}")
     if origin is Literal:
         if value in get_args(tp):
             return value
         allowed = ", ".join(repr(a) for a in get_args(tp))
-        raise ConfigError(f"{where}: {value!r} is not allowed{did_you_mean(value, get_args(tp))}; "
+        raise ConfigError(f"{where}: {shown(value)} is not allowed{did_you_mean(value, get_args(tp))}; "
                           f"choose one of {allowed}")
     if dataclasses.is_dataclass(tp):
         return from_dict(tp, value, prefix=where)
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
-            raise ConfigError(f"{where}: expected a list, got {value!r}")
+            raise ConfigError(f"{where}: expected a list, got {shown(value)}")
         (item_tp, *_) = get_args(tp) or (Any,)
         items = [_coerce(v, item_tp, f"{where}[{i}]") for i, v in enumerate(value)]
         return items if origin is list else tuple(items)
     if origin is dict:
         if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+            raise ConfigError(f"{where}: expected a mapping, got {shown(value)}")
         return dict(value)
     if tp is bool:
         if isinstance(value, bool):
@@ -140,15 +141,14 @@ def _coerce(value: Any, tp: Any, where: str) -> Any:
             number = float(value)
         if number is not None:
             if not math.isfinite(number):  # no setting is a NaN or infinite number (null turns off what can be off)
-                shown = value if printable(value) else "an integer too large for a float"
-                raise _NotFinite(f"{where}: expected a finite number, got {shown}")
+                raise _NotFinite(f"{where}: expected a finite number, got {shown(value)}")
             return number
     elif tp is str:
         if isinstance(value, str):
             return value
     elif isinstance(tp, type) and isinstance(value, tp):
         return value
-    raise ConfigError(f"{where}: expected {type_name(tp)}, got {value!r} ({type(value).__name__})")
+    raise ConfigError(f"{where}: expected {type_name(tp)}, got {shown(value)} ({type(value).__name__})")
 
 
 def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
@@ -160,7 +160,7 @@ def from_dict(cls: type[T], data: Any, prefix: str = "") -> T:
     if data is None:
         data = {}
     if not isinstance(data, dict):
-        raise ConfigError(f"{name}: expected a mapping of fields, got {data!r}")
+        raise ConfigError(f"{name}: expected a mapping of fields, got {shown(data)}")
     hints = typing.get_type_hints(cls)
     fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
     kwargs, errors, dropped = {}, [], set()
@@ -256,13 +256,68 @@ def to_dict(obj: Any) -> Any:
     return obj
 
 
+MAX_YAML_BYTES = 4 << 20  # a recipe, sweep or checkpoint config.yaml: a few KiB in practice
+MAX_YAML_NODES = 100_000  # scalars, lists and mappings once every alias is expanded (a recipe has a few hundred)
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """``yaml.SafeLoader`` that refuses a document of more than :data:`MAX_YAML_NODES` nodes counted with every
+    alias expanded, before building any Python object: a "billion laughs" document (9 aliases of 9 aliases of ...)
+    composes into a few dozen shared nodes but reads as 9**9 values to whatever walks the result."""
+
+    def compose_document(self):  # noqa: ANN201 - PyYAML's signature
+        node = super().compose_document()
+        if _expanded_size(node, MAX_YAML_NODES) > MAX_YAML_NODES:
+            raise _TooLarge(f"it expands to more than {MAX_YAML_NODES} values once its aliases are expanded "
+                            "(an alias bomb?)")
+        return node
+
+
+class _TooLarge(ValueError):
+    """A YAML document past :data:`MAX_YAML_NODES`."""
+
+
+def _expanded_size(root: yaml.Node, cap: int) -> int:
+    """Nodes under ``root`` with aliases expanded (shared nodes counted at every use), computed once per distinct
+    node (so in time linear in the composed graph) and saturating just past ``cap``."""
+    sizes: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, children_done = stack.pop()
+        if id(node) in sizes:
+            continue
+        if isinstance(node, yaml.MappingNode):
+            children = [n for pair in node.value for n in pair]
+        elif isinstance(node, yaml.SequenceNode):
+            children = list(node.value)
+        else:
+            children = []
+        if children_done or not children:
+            sizes[id(node)] = min(cap + 1, 1 + sum(sizes.get(id(c), 0) for c in children))
+        else:
+            stack.append((node, True))
+            stack.extend((c, False) for c in children if id(c) not in sizes)
+    return sizes[id(root)]
+
+
+def safe_load(text: str) -> Any:
+    """``yaml.safe_load`` of ``text`` with the node bound of :class:`_BoundedLoader` (past it: ValueError)."""
+    loader = _BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
+
+
 def load_yaml(path: str | Path) -> dict:
-    """Read a YAML mapping; a missing file or bad YAML is a one-line :class:`ConfigError`."""
+    """Read a YAML mapping; a missing file, bad YAML or a document past :data:`MAX_YAML_BYTES` bytes or
+    :data:`MAX_YAML_NODES` values is a one-line :class:`ConfigError`."""
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        size = path.stat().st_size
+        data = safe_load(path.read_text(encoding="utf-8")) if size <= MAX_YAML_BYTES else None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
@@ -274,8 +329,10 @@ def load_yaml(path: str | Path) -> dict:
         raise ConfigError(f"cannot read config file {path}: {err.strerror or err}") from None
     except RecursionError:
         raise ConfigError(f"{path}: invalid YAML: nested too deeply") from None
-    except ValueError as err:  # an integer of more than 4300 digits (Python's limit for int())
+    except ValueError as err:  # past the node bound, or an integer of more than 4300 digits (Python's int() limit)
         raise ConfigError(f"{path}: invalid YAML: {(str(err).splitlines() or ['a bad value'])[0]}") from None
+    if size > MAX_YAML_BYTES:
+        raise ConfigError(f"{path}: {size} bytes, over the limit of {MAX_YAML_BYTES} for a YAML config")
     if data is None:
         return {}
     if not isinstance(data, dict):
@@ -294,7 +351,7 @@ def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
             raise ConfigError(f"override {item!r} must look like key.sub=value")
         key, raw = item.split("=", 1)
         try:
-            value = yaml.safe_load(raw) if raw.strip() else ""
+            value = safe_load(raw) if raw.strip() else ""
         except (yaml.YAMLError, ValueError, RecursionError):  # ValueError: an int of more than 4300 digits
             value = raw
         node = data
@@ -310,12 +367,51 @@ def apply_overrides(data: dict, overrides: list[str] | None) -> dict:
 
 def printable(value: Any) -> bool:
     """False for a value an error message cannot show: an int longer than ``str()`` converts (Python's 4,300-digit
-    limit; YAML's hex ``0x...`` has no such limit), or a container holding one. Check it before quoting ``value``."""
-    try:
-        repr(value)
-    except (ValueError, RecursionError):
-        return False
+    limit; YAML's hex ``0x...`` has no such limit), or a container holding one. Check it before quoting ``value``.
+    Each distinct object is looked at once, so a structure of shared parts (YAML aliases) costs its distinct size."""
+    seen: set[int] = set()
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if id(item) in seen:
+            continue
+        seen.add(id(item))
+        if isinstance(item, int) and not isinstance(item, bool) and item.bit_length() > 14_000:
+            try:
+                repr(item)
+            except ValueError:
+                return False
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple, set, frozenset)):
+            stack.extend(item)
     return True
+
+
+class _ShortRepr(reprlib.Repr):
+    """``repr`` cut to a few items a level, a few levels deep and a few dozen characters a string."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.maxlevel, self.maxstring, self.maxlong, self.maxother = 3, 80, 40, 80
+        self.maxtuple = self.maxlist = self.maxarray = self.maxdict = self.maxset = self.maxfrozenset = 6
+        self.maxdeque = 6
+
+    def repr_int(self, x: int, level: int) -> str:  # noqa: ARG002 - reprlib's signature
+        try:
+            return super().repr_int(x, level)
+        except ValueError:  # past Python's 4,300-digit limit for str(int)
+            return f"<an integer of {x.bit_length()} bits>"
+
+
+_SHORT_REPR = _ShortRepr()
+
+
+def shown(value: Any) -> str:
+    """``value`` as an error message quotes it: its ``repr``, cut short for long strings, large containers and
+    huge integers (a message never renders a value whose size the user chose)."""
+    return _SHORT_REPR.repr(value)
 
 
 def check(condition: bool, message: str) -> None:
@@ -327,5 +423,5 @@ def check(condition: bool, message: str) -> None:
 def check_choice(field: str, value: str, registry: Any) -> None:
     """Reject a part name that ``registry`` does not know, naming the field and the closest match."""
     if value not in registry:
-        raise ConfigError(f"{field}: unknown {registry.kind} {value!r}{did_you_mean(value, registry)}; "
+        raise ConfigError(f"{field}: unknown {registry.kind} {shown(value)}{did_you_mean(value, registry)}; "
                           f"known: {', '.join(registry.names())}")

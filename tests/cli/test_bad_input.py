@@ -326,3 +326,68 @@ def test_a_recipe_with_several_problems_prints_them_all(tmp_path, capsys):
                                 "  - unknown key 'data.tokenizr' (did you mean 'tokenizer'?)",
                                 "  - unknown key 'train.max_step' (did you mean 'max_steps'?)"]
     assert not (tmp_path / "out").exists()
+
+
+def _alias_bomb(levels: int = 9, width: int = 9) -> str:
+    """A "billion laughs" YAML mapping: ``width`` aliases of ``width`` aliases ... ``levels`` deep (width**levels
+    values once expanded, a few dozen nodes as written)."""
+    lines = ["  a0: &a0 [" + ", ".join(["lol"] * width) + "]"]
+    lines += [f"  a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * width) + "]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("where", ["unknown key", "known key"])
+def test_an_alias_bomb_recipe_fails_fast_in_one_line(tmp_path, capsys, where):
+    """9 levels of 9 aliases (9**9 values once expanded) under an unknown or a known key: refused while parsing, in
+    one line, before any message renders the value (it took over 60 s and 2 GB when an error message repr()'d it)."""
+    recipe = tmp_path / "laughs.yaml"
+    section = "bogus" if where == "unknown key" else "data"
+    recipe.write_text(f"model: {{num_layers: 1}}\n{section}:\n" + _alias_bomb(), encoding="utf-8")
+    start = time.perf_counter()
+    code = main(["train", str(recipe), "--out", str(tmp_path / "out")])
+    seconds = time.perf_counter() - start
+    err = capsys.readouterr().err
+    assert code == 2 and len(err.splitlines()) == 1 and "expands to more than" in err and str(recipe) in err
+    assert seconds < 10  # (generous for a loaded CI machine: the parse itself takes milliseconds)
+    assert not (tmp_path / "out").exists()
+
+
+def test_yaml_bounds_leave_ordinary_aliases_alone(tmp_path):
+    """A recipe that shares a few values through anchors loads as before; the node bound counts expanded values."""
+    from tokenloom.config import MAX_YAML_NODES, load_yaml, safe_load
+
+    path = tmp_path / "ok.yaml"
+    path.write_text("base: &b {lr: 0.001, steps: [1, 2, 3]}\nrun: *b\n", encoding="utf-8")
+    data = load_yaml(path)
+    assert data["run"] == data["base"] == {"lr": 0.001, "steps": [1, 2, 3]}
+    width = 317  # 317**2 = 100,489 values (> MAX_YAML_NODES): just past the bound
+    assert width ** 2 > MAX_YAML_NODES > (width - 2) ** 2 + 2 * width
+    with pytest.raises(ValueError, match="expands to more than"):
+        safe_load(_alias_bomb(levels=1, width=width))
+    safe_load(_alias_bomb(levels=1, width=width - 2))  # just under: loads
+
+
+def test_a_huge_yaml_file_is_refused_before_reading(tmp_path, monkeypatch):
+    from tokenloom import config
+    from tokenloom.errors import ConfigError
+
+    monkeypatch.setattr(config, "MAX_YAML_BYTES", 1000)
+    path = tmp_path / "big.yaml"
+    path.write_text("a: " + "x" * 2000 + "\n", encoding="utf-8")
+    with pytest.raises(ConfigError, match=r"2004 bytes, over the limit of 1000"):
+        config.load_yaml(path)
+
+
+def test_error_messages_quote_values_shortly():
+    """A wrong value is quoted cut short, whatever its size: a long list, a long string, a huge integer."""
+    from tokenloom.config import shown
+    from tokenloom.errors import ConfigError
+    from tokenloom.training.config import TrainConfig
+
+    assert shown(list(range(10_000))) == "[0, 1, 2, 3, 4, 5, ...]"
+    assert len(shown("x" * 100_000)) <= 90
+    assert shown(1 << 20_000) == "<an integer of 20001 bits>"
+    with pytest.raises(ConfigError) as err:
+        from tokenloom.config import from_dict
+        from_dict(TrainConfig, {"max_steps": list(range(100_000))})
+    assert len(str(err.value)) < 300 and "..." in str(err.value)
