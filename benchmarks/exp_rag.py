@@ -14,10 +14,12 @@ a retrieved passage (chance: 1/60 towns, 1/40 occupations, 1/100 years).
    only, so no held-out document is in any training prompt. ``--extra-questions K`` (default 2): a prompt with
    passages continues with K more turns ``Question: ...\nAnswer: VALUE`` about the people of its other passages
    -- three times the answer tokens for each prompt read, and each turn teaches to pick the passage that the
-   question names (with one question per prompt, 600 steps learned to copy towns, 85%, but not occupations or
-   years). With ``--counterfactual F`` a fraction F of the examples with the gold passage get another value of the
-   attribute written into that passage and as the answer (a model that recalls instead of reading is wrong on
-   them; default 0). Rendered by a Jinja chat template that writes the prompt as it is (no ``User:`` header), so
+   question names. The attributes are learned one after the other (a sudden drop of the loss each): with one
+   question per prompt 600 steps copied towns (85%) but not occupations or years; with two extra questions towns
+   by step 900 (96%), occupations by about step 1,100 (96.5% at 1,800), years not by step 1,800. With
+   ``--counterfactual F`` a fraction F of the examples with the gold passage get another value of the attribute
+   written into that passage and as the answer (a model that recalls instead of reading is wrong on them;
+   default 0). Rendered by a Jinja chat template that writes the prompt as it is (no ``User:`` header), so
    training and ``generate --rag`` see the same text; the loss covers the answers and their line breaks only.
 3. ``task: sft`` from the pretrained model (``train.init_from``), ``--steps`` steps.
 4. Evaluation on ``--questions`` held-out questions, greedy, the answer cut at the line break
@@ -33,7 +35,8 @@ a retrieved passage (chance: 1/60 towns, 1/40 occupations, 1/100 years).
 
 Prints a Markdown table and one JSON line; the machine first.
 
-    python benchmarks/exp_rag.py                     # about 15 minutes on 2 CPU cores
+    python benchmarks/exp_rag.py                     # 28 minutes on 2 shared CPU cores (1,800 steps, 2 threads)
+    python benchmarks/exp_rag.py --steps 900         # 23 minutes (1 thread): towns only
     python benchmarks/exp_rag.py --quick             # a smoke run: a tiny model, a few steps
 """
 
@@ -231,10 +234,11 @@ def main(argv: list[str] | None = None) -> dict:
                         help="share of SFT examples whose gold passage and answer get another value")
     parser.add_argument("--extra-questions", type=int, default=2,
                         help="SFT: more question turns per prompt, about the other passages' people")
-    parser.add_argument("--steps", type=int, default=900)
+    parser.add_argument("--steps", type=int, default=1800)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--seq-len", type=int, default=1024)
     parser.add_argument("--lr", type=float, default=5e-4)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of the training process")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="also write the results here")
     args = parser.parse_args(argv)
@@ -257,7 +261,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = write_jsonl(args.out / "sft.jsonl", rows)
     print(f"SFT set: {len(rows)} conversations {counts}", flush=True)
     before = evaluate(base, retriever, read_jsonl(KB / "qa_heldout.jsonl")[:args.questions], args.seed)
-    run = train(sft_recipe(base, data, args), args.out / "sft")
+    run = train(sft_recipe(base, data, args), args.out / "sft", threads=args.threads)
     after = evaluate(run.checkpoint, retriever, read_jsonl(KB / "qa_heldout.jsonl")[:args.questions], args.seed)
     total = time.perf_counter() - start
 
