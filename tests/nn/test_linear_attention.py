@@ -51,18 +51,25 @@ def test_performer_converges_to_softmax_attention_as_features_grow(causal):
 
 @pytest.mark.parametrize("tq,chunk", [(40, 128), (40, 16), (37, 8), (1, 16)])
 def test_causal_performer_equals_its_estimate_under_an_explicit_causal_mask(tq, chunk):
-    """The prefix-sum form (chunks, a running state, queries aligned to the last keys as with a cache) computes
-    exactly phi(q) phi(k)^T masked lower-triangular, normalised, times v."""
+    """The prefix-sum form (chunks, a running state rescaled as its stabiliser grows, queries aligned to the last
+    keys as with a cache) computes exactly, for each query, phi(q) phi(k)^T over the keys it may see (stabilised by
+    their own maximum: a later key has no say), normalised, times v; and so does the one-token step over those
+    keys (a decode step over the cache)."""
     torch.manual_seed(0)
     performer = PerformerAttention(4, 16, features=32, chunk=chunk)
     q, k, v = qkv(T=40)
+    k[:, :, 30] *= 4  # a late key with a large norm and peak: the stabiliser grows mid-sequence
     q = q[:, :, -tq:]
     out, _ = performer(q, k, v, None, True, 0.0, False)
     qf = favor_features(q * 16 ** -0.25, performer.features, is_query=True)  # the scaling, done outside
-    kf = favor_features(k * 16 ** -0.25, performer.features, is_query=False)
-    scores = (qf @ kf.transpose(-2, -1)) * torch.ones(tq, 40, dtype=torch.bool).tril(40 - tq)
-    explicit = (scores @ v) / scores.sum(-1, keepdim=True)
-    torch.testing.assert_close(out, explicit, atol=1e-5, rtol=1e-4)
+    for i in range(tq):
+        p = 40 - tq + i  # query i's position: it sees keys 0..p
+        kf = favor_features(k[:, :, :p + 1] * 16 ** -0.25, performer.features, is_query=False)
+        scores = qf[:, :, i:i + 1] @ kf.transpose(-2, -1)  # (B, H, 1, p + 1)
+        explicit = (scores @ v[:, :, :p + 1]) / scores.sum(-1, keepdim=True)
+        torch.testing.assert_close(out[:, :, i:i + 1], explicit, atol=1e-5, rtol=1e-4)
+        step, _ = performer(q[:, :, i:i + 1], k[:, :, :p + 1], v[:, :, :p + 1], None, False, 0.0, False)
+        torch.testing.assert_close(out[:, :, i:i + 1], step, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("causal", [False, True])

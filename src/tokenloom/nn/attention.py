@@ -36,6 +36,7 @@ from ..errors import ConfigError
 from .backends import ATTENTION_BACKENDS, load_backend_files
 from .fused import bind_linear, linear_add_of
 from .kv_cache import LayerCache, MemoryLayer
+from .masks import causal_mask
 from .positions import Relative, apply_rotary
 from .sliding import Band
 
@@ -120,12 +121,18 @@ def explicit_training(q: Tensor, keys: int) -> bool:
 @ATTENTION_BACKENDS.register("sdpa")
 def sdpa_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None, is_causal: bool,
                    dropout_p: float, need_weights: bool) -> tuple[Tensor, None]:
-    """The ``sdpa`` backend: torch's fused ``scaled_dot_product_attention`` (no weights returned)."""
+    """The ``sdpa`` backend: torch's fused ``scaled_dot_product_attention`` (no weights returned). ``is_causal``
+    aligns the causal mask to the last keys as every backend does (query i of Tq sees keys <= Tk - Tq + i); torch's
+    own ``is_causal`` aligns it to the first keys when Tq != Tk, so it is used for Tq == Tk only (the models' one
+    case: no cache), an explicit bottom-right mask otherwise."""
     if explicit_training(q, k.shape[-2]):
         return _explicit_training_attention(q, k, v, attn_mask, is_causal, dropout_p), None
     gqa = q.shape[1] != k.shape[1]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p,
-                                         is_causal=is_causal and attn_mask is None, enable_gqa=gqa)
+    is_causal = is_causal and attn_mask is None
+    if is_causal and q.shape[-2] != k.shape[-2]:
+        attn_mask, is_causal = causal_mask(q.shape[-2], k.shape[-2], q.device), False
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                                         enable_gqa=gqa)
     return out, None
 
 
@@ -154,9 +161,7 @@ def _scores(q: Tensor, k: Tensor, attn_mask: Tensor | None, is_causal: bool) -> 
         k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
     scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(q.shape[-1]))  # (B, H, Tq, Tk)
     if is_causal and attn_mask is None:
-        tq, tk = scores.shape[-2:]
-        causal = torch.ones(tq, tk, dtype=torch.bool, device=q.device).tril(tk - tq)
-        scores = scores.masked_fill(~causal, float("-inf"))
+        scores = scores.masked_fill(~causal_mask(*scores.shape[-2:], q.device), float("-inf"))
     elif attn_mask is not None:
         if attn_mask.dtype == torch.bool:
             scores = scores.masked_fill(~attn_mask, torch.finfo(scores.dtype).min)

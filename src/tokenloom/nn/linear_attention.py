@@ -10,6 +10,9 @@ Both are attention backends (``attention: performer | linformer`` in a model con
   ``softmax(q k^T) v ~ phi(q) (phi(k)^T v) / (phi(q) phi(k)^T 1)``: O(T m D) instead of O(T^2 D). The causal
   form runs over chunks of ``chunk`` positions: exact-structured within a chunk (a lower-triangular
   ``phi(q) phi(k)^T``), a running sum ``phi(k)^T v`` across chunks (the prefix sums), so memory stays linear.
+  Stabilisers (exp overflows past ~88): a query's features are divided by their own largest exponent, keys by
+  the largest among the keys the query may see (a running maximum in the causal form), never by a padded or a
+  future key (:func:`favor_features`, :meth:`PerformerAttention._causal`).
   ``redraw`` > 0 draws new features every ``redraw`` training calls (seeded by the count, so a resumed run
   draws the same). Masks: key padding, causal, and their combination (what the models pass); a score bias
   (ALiBi, T5) cannot be expressed and is refused by the configs.
@@ -23,6 +26,7 @@ attention weights.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -31,6 +35,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..errors import ConfigError, GenerationError
+from .masks import causal_mask
 
 
 def orthogonal_random_features(num_features: int, dim: int, generator: torch.Generator | None = None) -> Tensor:
@@ -45,21 +50,49 @@ def orthogonal_random_features(num_features: int, dim: int, generator: torch.Gen
     return directions * norms
 
 
-def favor_features(x: Tensor, features: Tensor, is_query: bool, eps: float = 1e-4, scale: float = 1.0) -> Tensor:
-    """Positive random features of ``scale * x`` (x (..., T, D); FAVOR+ scales q and k by ``D^-1/4``) ->
-    (..., T, m), float32, without materialising the scaled x.
-
-    The largest exponent is subtracted for stability: per query row (it cancels in the ratio of each query's
-    output) and over all keys of a head (a common factor of every key, which also cancels)."""
+def favor_exponents(x: Tensor, features: Tensor, scale: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    """The exponents of FAVOR+'s positive features ``phi(x) = exp(W x' - |x'|^2 / 2)`` of ``x' = scale * x``
+    (x (..., T, D); FAVOR+ scales q and k by ``D^-1/4``; its ``1 / sqrt(m)`` is left out: it scales numerator and
+    normaliser alike), float32: (``W x'`` (..., T, m), its row maximum ``peak`` (..., T), a constant for autograd,
+    and ``|x'|^2 / 2`` (..., T))."""
     x = x.float()
     projected = x @ (scale * features.float()).T  # (..., T, m)
-    peak = projected.amax(-1, keepdim=True) if is_query else projected.amax(dim=(-2, -1), keepdim=True)
-    squared = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square()
-    shift = (0.5 * scale * scale) * squared + peak.detach()  # (..., T, 1): one pass over (T, m) below
-    # FAVOR+'s 1 / sqrt(m) is left out: it scales numerator and normaliser alike
-    if torch.is_grad_enabled() and (x.requires_grad or features.requires_grad):
-        return torch.exp(projected - shift) + eps
-    return projected.sub_(shift).exp_().add_(eps)  # inference: in place, no fresh (T, m) buffers to fault in
+    half_norm = (0.5 * scale * scale) * torch.linalg.vector_norm(x, dim=-1).square()  # (..., T)
+    return projected, projected.detach().amax(-1), half_norm
+
+
+def positive_features(projected: Tensor, shift: Tensor, eps: float) -> Tensor:
+    """``exp(projected - shift) + eps`` (projected (..., T, m), shift (..., T)); in inference in place, so no
+    fresh (T, m) buffer is faulted in."""
+    if projected.requires_grad:
+        return torch.exp(projected - shift.unsqueeze(-1)) + eps
+    out = projected.sub_(shift.unsqueeze(-1)).exp_()
+    return out.add_(eps) if eps else out
+
+
+def _finite(reference: Tensor) -> Tensor:
+    """A stabiliser with -inf (no allowed key seen yet) replaced by 0: every weight it divides is 0 there anyway."""
+    return reference.masked_fill(reference == -math.inf, 0.0)
+
+
+def favor_features(x: Tensor, features: Tensor, is_query: bool, eps: float = 1e-4, scale: float = 1.0,
+                   keep: Tensor | None = None) -> Tensor:
+    """Positive random features of ``scale * x`` (x (..., T, D)) -> (..., T, m), float32, stabilised and with
+    ``eps`` added (every feature positive, so no normaliser is 0), as FAVOR+'s reference implementations do:
+
+    * queries: ``phi(q) / exp(peak_q) + eps``, ``peak_q = max_f (W q')_f``: each row divided by its own largest
+      exponent, a factor of that query's numerator and normaliser alike;
+    * keys: ``phi(k) / exp(M) + eps`` with ``M = max_j peak_j`` over the rows ``keep`` (bool (..., T), None = all)
+      marks, the others 0: one factor shared by the keys a query sees when it sees all of them. A causal query
+      takes M over the keys before it (:meth:`PerformerAttention._causal`); a padded or future key in M would
+      move its eps."""
+    projected, peak, half_norm = favor_exponents(x, features, scale)
+    if is_query:
+        return positive_features(projected, peak + half_norm, eps)
+    if keep is not None:
+        peak = peak.masked_fill(~keep, -math.inf)
+    out = positive_features(projected, half_norm + _finite(peak.amax(-1, keepdim=True)), eps)
+    return out if keep is None else out.masked_fill(~keep.unsqueeze(-1), 0.0)
 
 
 def _key_weights(attn_mask: Tensor | None, is_causal: bool, tq: int, tk: int,
@@ -81,7 +114,7 @@ def _key_weights(attn_mask: Tensor | None, is_causal: bool, tq: int, tk: int,
         allowed = allowed.unsqueeze(0)
     keys = allowed[..., -1:, :]  # the last query sees every real key (padding alone or with the causal mask)
     if allowed.shape[-2] > 1 and not bool((allowed == keys).all()):
-        causal = torch.ones(tq, tk, dtype=torch.bool, device=allowed.device).tril(tk - tq)
+        causal = causal_mask(tq, tk, allowed.device)
         if not bool((allowed == (keys & causal)).all()):
             raise GenerationError(f"{name} attention takes causal and key-padding masks only, not an arbitrary "
                                   "pattern")
@@ -131,6 +164,7 @@ class PerformerAttention(nn.Module):
         self.head_dim, self.chunk = head_dim, chunk
         self.num_features = features or max(1, round(head_dim * math.log(head_dim)))
         self.redraw = redraw
+        self.eps = 1e-4  # added to every feature (FAVOR+'s reference implementations): no normaliser is 0
         self.seed = int(torch.randint(0, 2**31 - 1, (1,)).item())  # from the (seeded) model initialisation
         self.register_buffer("features", _draw(self.num_features, head_dim, self.seed, 0, torch.device("cpu")))
         self.register_buffer("calls", torch.zeros((), dtype=torch.long))  # training calls, for the redraws
@@ -151,37 +185,88 @@ class PerformerAttention(nn.Module):
         tq, tk = q.shape[-2], k.shape[-2]
         weights, causal = _key_weights(attn_mask, is_causal, tq, tk, "performer")
         scale = self.head_dim ** -0.25
-        qf = favor_features(q, self.features, is_query=True, scale=scale)  # (B, H, Tq, m)
-        kf = favor_features(k, self.features, is_query=False, scale=scale)  # (B, H, Tk, m)
-        if weights is not None:
-            kf = kf * weights
-        vf = v.float()
+        qf = favor_features(q, self.features, is_query=True, eps=self.eps, scale=scale)  # (B, H, Tq, m)
+        keep = None if weights is None else (weights.squeeze(-1) > 0).expand(*k.shape[:-1])  # (B, H, Tk)
+        vf = v.float() if keep is None else v.float().masked_fill(~keep.unsqueeze(-1), 0.0)  # whatever sits there
         if causal:
-            out = self._causal(qf, kf, vf)
+            out = self._causal(qf, k, keep, vf)
         else:
+            kf = favor_features(k, self.features, is_query=False, eps=self.eps, scale=scale, keep=keep)  # (B,H,Tk,m)
             context = kf.transpose(-2, -1) @ vf  # (B, H, m, D)
             normaliser = qf @ kf.sum(-2).unsqueeze(-1)  # (B, H, Tq, 1)
-            out = (qf @ context) / normaliser.clamp_min(torch.finfo(torch.float32).tiny)
+            out = (qf @ context) / normaliser.clamp_min(torch.finfo(torch.float32).tiny)  # no key: 0
         return out.to(q.dtype), None
 
-    def _causal(self, qf: Tensor, kf: Tensor, vf: Tensor) -> Tensor:
-        """Causal FAVOR+ (query i sees keys up to i + Tk - Tq) over chunks: the running state is the prefix sum
-        of phi(k)^T v and of phi(k)."""
-        tq, tk = qf.shape[-2], kf.shape[-2]
+    def _causal(self, qf: Tensor, k: Tensor, keep: Tensor | None, vf: Tensor) -> Tensor:
+        """Causal FAVOR+: query i sits at key position p = i + Tk - Tq (the last Tq of Tk positions, a cache before
+        them) and sees the allowed keys j <= p, exactly as the non-causal form would over those keys alone (a
+        one-token decode step over the cache). qf (B, H, Tq, m) (:func:`favor_features`), k (B, H, Tk, D), ``keep``
+        (B, H, Tk) bool (False: a masked key) or None, vf (B, H, Tk, D). A key's features are split as
+        ``phi(k_j) = ku_j exp(ks_j)``, ``ku_j = exp(W k_j' - peak_j)`` in (0, 1], ``ks_j = peak_j - |k_j'|^2 / 2``
+        (:func:`favor_exponents`), so that each is stabilised by itself alone.
+
+        Query i's key features are ``phi(k_j) / exp(m_p) + eps`` with ``m_p = max_{j <= p} peak_j``, a running
+        maximum over the keys it may see: no future or padded key moves it, and ``w_pj = exp(ks_j - m_p) <= 1``
+        (ks_j <= peak_j <= m_p), so nothing overflows. With ``Q_i = sum_f qf_if``::
+
+            out_i = sum_{j<=p} a_ij v_j / sum_{j<=p} a_ij,   a_ij = w_pj (qf_i . ku_j) + eps Q_i
+
+        (masked keys left out of both sums), which is ``phi(q_i) . phi(k_j)`` up to the factors exp(-peak_q) and
+        exp(-m_p) of query i alone, and those cancel. Over chunks of ``chunk`` queries: within a chunk the a_ij are
+        explicit (a lower-triangular (c, c) matrix); across chunks the prefix sums ``S = sum_j exp(ks_j - M) ku_j
+        [v_j, 1]^T`` (m, D + 1) are kept relative to M, the running maximum at the last key summed. Since
+        ``exp(ks_j - M') = exp(ks_j - M) exp(M - M')``, a later query reads them times ``exp(M - m_p) <= 1`` and
+        the next chunk's reference M' rescales them the same way (the online-softmax update): memory stays
+        linear, and a large key arriving later never overflows the state nor changes an earlier output. The eps
+        part needs plain prefix sums ``sum_j [v_j, 1]`` (eps is not rescaled)."""
+        tq, tk = qf.shape[-2], k.shape[-2]
         offset = tk - tq  # keys before the first query (a cache): seen by every query
-        state = kf[..., :offset, :].transpose(-2, -1) @ vf[..., :offset, :]  # (B, H, m, D)
-        total = kf[..., :offset, :].sum(-2)  # (B, H, m)
+        projected, peak, half_norm = favor_exponents(k, self.features, self.head_dim ** -0.25)
+        ks = peak - half_norm  # (B, H, Tk)
+        ku = positive_features(projected, peak, 0.0)  # (B, H, Tk, m)
+        allowed = torch.ones_like(ks) if keep is None else keep.float()  # (B, H, Tk)
+        if keep is not None:  # a masked key has no weight (w_pj = 0: its ku <= 1 is multiplied by 0, its [v, 1] is
+            # 0) and no say in any stabiliser
+            ks, peak = ks.masked_fill(~keep, -math.inf), peak.masked_fill(~keep, -math.inf)
+        running = peak.cummax(-1).values  # (B, H, Tk): m_p; -inf while no allowed key is seen
+        reference = _finite(running)  # what each position's weights are taken relative to
+        values = torch.cat([vf, allowed.unsqueeze(-1)], dim=-1)  # (B, H, Tk, D + 1): [v_j, 1], 0 at a masked key
+        B, H, _, m = ku.shape
+        state = qf.new_zeros(B, H, m, values.shape[-1])  # S
+        plain = qf.new_zeros(B, H, 1, values.shape[-1])  # sum_j [v_j, 1]
+        seen = running.new_full((B, H), -math.inf)  # M (exp(-inf - M') = 0: the state is empty)
+        ones = qf.new_ones(B, H, m, 1)  # reads Q_i = qf_i . 1 in the same product as qf_i S
+        # the cache's keys, then one piece per chunk of queries (split, not sliced: one gradient copy, not one each)
+        sizes = ([offset] if offset else []) + [min(self.chunk, tq - start) for start in range(0, tq, self.chunk)]
+        ends = [hi - 1 for hi in itertools.accumulate(sizes)]  # each piece's last key position
+        pieces = list(zip(ku.split(sizes, -2), ks.split(sizes, -1), values.split(sizes, -2), reference.split(sizes, -1),
+                          allowed.split(sizes, -1), ends, strict=True))
+
+        def absorb(state: Tensor, plain: Tensor, seen: Tensor, u: Tensor, s: Tensor, vals: Tensor,
+                   last: int) -> tuple[Tensor, Tensor, Tensor]:
+            """The prefix sums with a piece of keys added (u (B, H, n, m), s (B, H, n), vals (B, H, n, D + 1)), S
+            relative to the running maximum at its last key, position ``last``."""
+            new = reference[..., last]  # (B, H)
+            carry = torch.exp(seen - new)[..., None, None]  # (B, H, 1, 1), <= 1
+            state = carry * state + u.transpose(-2, -1) @ (vals * torch.exp(s - new.unsqueeze(-1)).unsqueeze(-1))
+            return state, plain + vals.sum(-2, keepdim=True), running[..., last]
+
+        if offset:
+            u, s, vals, _, _, last = pieces.pop(0)
+            state, plain, seen = absorb(state, plain, seen, u, s, vals, last)
         outs = []
-        for start in range(0, tq, self.chunk):
-            end = min(start + self.chunk, tq)
-            qc, kc, vc = qf[..., start:end, :], kf[..., offset + start:offset + end, :], vf[..., offset + start:
-                                                                                          offset + end, :]
-            local = (qc @ kc.transpose(-2, -1)).tril()  # (B, H, c, c): within the chunk, causal
-            numerator = qc @ state + local @ vc
-            denominator = qc @ total.unsqueeze(-1) + local.sum(-1, keepdim=True)
-            outs.append(numerator / denominator.clamp_min(torch.finfo(torch.float32).tiny))  # no key: 0
-            state = state + kc.transpose(-2, -1) @ vc
-            total = total + kc.sum(-2)
+        for qc, (u, s, vals, m_q, keys, last) in zip(qf.split(self.chunk, -2), pieces, strict=True):
+            # qc (B, H, c, m); m_q (B, H, c): each query's m_p; keys (B, H, c): 1 = an allowed key
+            carry = torch.exp(seen.unsqueeze(-1) - m_q).unsqueeze(-1)  # (B, H, c, 1): the state read at each m_p
+            read = qc @ torch.cat([state, ones], dim=-1)  # (B, H, c, D + 2): qf_i S and Q_i
+            eps_q = self.eps * read[..., -1:]  # (B, H, c, 1)
+            # w_pj, clamped to <= 1 past the diagonal too (tril_ zeroes those); 0 at a masked key (ks_j = -inf)
+            decay = (s.unsqueeze(-2) - m_q.unsqueeze(-1)).clamp_max_(0.0).exp_()  # (B, H, c, c)
+            local = (qc @ u.transpose(-2, -1)).mul_(decay).addcmul_(eps_q, keys.unsqueeze(-2)).tril_()  # a_ij
+            both = carry * read[..., :-1] + eps_q * plain + local @ vals  # (B, H, c, D + 1): numerator, normaliser
+            outs.append(both[..., :-1] / both[..., -1:].clamp_min(torch.finfo(torch.float32).tiny))  # no key: 0
+            if last < tk - 1:
+                state, plain, seen = absorb(state, plain, seen, u, s, vals, last)
         return torch.cat(outs, dim=-2)
 
 
