@@ -3,7 +3,8 @@
     python scripts/bundle_checkpoint.py runs/shakes-full checkpoints/shakespeare-char [--dtype bf16]
 
 Weights are stored in bf16 by default (half the size; they load as float32). The bundle's
-config.yaml keeps the recipe it was trained with.
+config.yaml keeps the recipe it was trained with; its checksums.json (written by write_checkpoint, the SHA-256 of
+every file) is what every loader checks the files against.
 """
 
 from __future__ import annotations

@@ -145,3 +145,24 @@ def test_the_site_builds_with_strict(tmp_path):
     assert "make wheel-test" in install  # the README section the install page includes
     html = (tmp_path / "site" / "api" / "training.html").read_text(encoding="utf-8")
     assert "tokenloom.training.config.load_run_config" in html and "tokenloom.training.trainer.Trainer" in html
+
+
+def test_every_test_the_security_page_names_exists():
+    """docs/security.md names the test that holds each promise (``tests/x.py::test_name`` or ``::test_name`` after a
+    file named in the same cell): each file exists and defines each test."""
+    import re
+
+    text = (ROOT / "docs" / "security.md").read_text(encoding="utf-8")
+    named = 0
+    for line in text.splitlines():
+        current = None
+        for path, name in re.findall(r"`(tests/[\w/]+\.py)?(?:::(test_\w+))?", line):
+            current = path or current
+            if not current:
+                continue
+            source = (ROOT / current).read_text(encoding="utf-8") if (ROOT / current).is_file() else None
+            assert source is not None, f"docs/security.md names {current}, which does not exist"
+            if name:
+                assert re.search(rf"^def {name}\(", source, re.M), f"docs/security.md names {current}::{name}"
+                named += 1
+    assert named >= 15

@@ -5,6 +5,9 @@
     model.safetensors   weights (never unpickled)
     tokenizer.json      Hugging Face tokenizers format
     trainer_state.pt    only for resuming: optimizer, scheduler, RNG states, step (written by training)
+    checksums.json      the SHA-256 of every other file: every loader checks the files it reads against it (a
+                        damaged one is a one-line :class:`~tokenloom.errors.ChecksumError` naming it; a checkpoint
+                        without it, from before checksums, loads as it is), ``--resume`` all of them first
 
 A LoRA run's checkpoint (``train.lora``) holds ``adapter.safetensors`` + ``adapter.json`` in place of
 ``model.safetensors``: the adapter, and where its frozen base weights are (another checkpoint, by path, or the run's
@@ -31,11 +34,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from .checksums import CHECKSUM_FILE, check_file, read_checksums, verified, verify_file, write_checksums
 from .config import from_dict, load_yaml, save_yaml
 from .errors import CheckpointError, ConfigError
 from .files import sha256_file
 from .models.factory import create_model, model_config_from_dict
-from .nn.lora import ADAPTER_CONFIG, AdapterSpec, is_adapter, read_adapter, read_adapter_spec
+from .nn.lora import ADAPTER_CONFIG, ADAPTER_WEIGHTS, AdapterSpec, is_adapter, read_adapter, read_adapter_spec
 from .nn.quantized import QUANTIZED_KINDS, QuantizationConfig, quantize_model
 from .packaged import where_bundled
 
@@ -112,37 +116,24 @@ def write_checkpoint(directory: str | Path, model: nn.Module | None, config: dic
     return directory
 
 
-CHECKSUM_FILE = "checksums.json"
-
-
-def write_checksums(directory: Path) -> None:
-    """``checksums.json``: the SHA-256 of every other file of the checkpoint in ``directory``."""
-    sums = {f.name: sha256_file(f) for f in sorted(directory.iterdir()) if f.is_file() and f.name != CHECKSUM_FILE}
-    (directory / CHECKSUM_FILE).write_text(json.dumps(sums, indent=1) + "\n", encoding="utf-8")
-
-
 def checkpoint_damage(path: str | Path) -> str | None:
     """Why the checkpoint at ``path`` is damaged (a file missing, or its bytes not those written), or None when
-    it is intact. Checkpoints written before checksums existed (no ``checksums.json``) count as intact."""
+    it is intact. Checkpoints written before checksums existed (no ``checksums.json``) count as intact. The files
+    found intact are not hashed again by the loaders that read them next (:func:`tokenloom.checksums.verified`)."""
     path = Path(path)
-    manifest = path / CHECKSUM_FILE
     if not (path / CONFIG_FILE).is_file():
         return f"{path} has no {CONFIG_FILE}"
-    if not manifest.is_file():
-        return None
     try:
-        sums = json.loads(manifest.read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError):
-        return f"{manifest} is unreadable"
-    for name, expected in sums.items():
+        sums = read_checksums(path)
+    except CheckpointError as err:
+        return str(err)
+    for name, expected in (sums or {}).items():
         if not (path / name).is_file():
             return f"{path / name} is missing"
         try:
-            digest = sha256_file(path / name)
-        except OSError as err:
-            return f"{path / name} cannot be read ({err.strerror or err})"
-        if digest != expected:
-            return f"{path / name} does not match its checksum (truncated or corrupt)"
+            verify_file(path / name, expected)
+        except CheckpointError as err:
+            return str(err)
     return None
 
 
@@ -150,6 +141,7 @@ def read_config(path: str | Path) -> dict[str, Any]:
     """The ``config.yaml`` of a checkpoint (or run) directory as a dict; a missing or unreadable one is a one-line
     ``CheckpointError``."""
     ckpt = resolve_checkpoint(path)
+    check_file(ckpt, CONFIG_FILE)
     try:
         return load_yaml(ckpt / CONFIG_FILE)
     except ConfigError as err:
@@ -161,7 +153,9 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
     """(model in eval mode, the checkpoint's config dict). Errors are one-line :class:`CheckpointError`. A quantised
     checkpoint (a ``quantization`` section) gives the float model's skeleton with its layers replaced by quantised
     ones, into which the stored integer weights are loaded as they are (never re-quantised); its kernels are
-    ``dequantize`` until :func:`tokenloom.nn.quantized.select_kernels` measures better ones."""
+    ``dequantize`` until :func:`tokenloom.nn.quantized.select_kernels` measures better ones. Every file read is
+    checked against the checkpoint's ``checksums.json`` (:mod:`tokenloom.checksums`): the weights' SHA-256 computed
+    while the model is built and loaded."""
     ckpt = resolve_checkpoint(path)
     config = read_config(ckpt)
     try:
@@ -169,39 +163,45 @@ def load_model(path: str | Path, device: str | torch.device = "cpu",
         quantization = stored_quantization(config)
     except ConfigError as err:
         raise CheckpointError(f"{ckpt / CONFIG_FILE}: {err}") from None
-    model = create_model(family, model_config, init=False)  # every weight is loaded next
-    if quantization is not None:
-        try:
-            quantize_model(model, quantization, quantize_weights=False)
-        except ConfigError as err:
-            raise CheckpointError(f"{ckpt / CONFIG_FILE}: {err}") from None
-    load_weights(model, ckpt)
-    if dtype is not None:
-        model.to(dtype)
+    with verified(ckpt, WEIGHTS_FILE):  # hashed alongside the model's construction and the copy of its weights
+        model = create_model(family, model_config, init=False)  # every weight is loaded next
+        if quantization is not None:
+            try:
+                quantize_model(model, quantization, quantize_weights=False)
+            except ConfigError as err:
+                raise CheckpointError(f"{ckpt / CONFIG_FILE}: {err}") from None
+        load_weights(model, ckpt)
+        if dtype is not None:
+            model.to(dtype)
     return model.to(device).eval(), config
 
 
 def load_weights(model: nn.Module, path: str | Path, fresh: Callable[[str], bool] | None = None) -> None:
     """Load ``model.safetensors`` of a checkpoint into ``model``, checking names and shapes; tensors whose names
     ``fresh`` accepts may be absent from the checkpoint (they keep their initial values). A LoRA checkpoint gives
-    its base weights with the adapter merged (:func:`adapter_state`)."""
+    its base weights with the adapter merged (:func:`adapter_state`). The files are checked against the
+    checkpoint's ``checksums.json``: a damaged one is a one-line :class:`CheckpointError` naming it (``model`` may
+    then hold some of its bytes: discard it)."""
     ckpt = resolve_checkpoint(path)
     if is_adapter(ckpt):
         spec, base, tensors = adapter_state(ckpt)
         load_state(model, merged_adapter_state(spec, base, tensors), f"{ckpt} (base + adapter)", fresh)
         return
-    load_state(model, read_weights(ckpt), str(ckpt / WEIGHTS_FILE), fresh)
+    with verified(ckpt, WEIGHTS_FILE):  # hashed while the tensors are copied into the model
+        load_state(model, read_weights(ckpt), str(ckpt / WEIGHTS_FILE), fresh)
 
 
 def read_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of a checkpoint's ``model.safetensors``; a missing or corrupt file is a one-line error."""
+    """The tensors of a checkpoint's ``model.safetensors``; a missing or corrupt file (one that does not match the
+    checkpoint's ``checksums.json``, where it has one: :func:`tokenloom.checksums.verified`) is a one-line error."""
     weights = Path(path) / WEIGHTS_FILE
     if not weights.is_file():
         raise CheckpointError(f"checkpoint is missing its weights: {weights}")
-    try:
-        return load_file(str(weights))
-    except (SafetensorError, OSError, ValueError) as err:
-        raise CheckpointError(f"{weights} is truncated or corrupt ({str(err).splitlines()[0]})") from None
+    with verified(path, WEIGHTS_FILE):
+        try:
+            return load_file(str(weights))
+        except (SafetensorError, OSError, ValueError) as err:
+            raise CheckpointError(f"{weights} is truncated or corrupt ({str(err).splitlines()[0]})") from None
 
 
 # --- LoRA checkpoints: an adapter and a reference to its frozen base --------------------------------------------------
@@ -242,7 +242,9 @@ def adapter_base(path: str | Path, spec: AdapterSpec | None = None) -> Path:
     to the checkpoint (``<run>/checkpoint``, ``<run>/history/step-N``, ``<run>/best``); its weights' SHA-256 must be
     the recorded one. One-line :class:`CheckpointError` otherwise."""
     ckpt = resolve_checkpoint(path)
-    spec = spec or read_adapter_spec(ckpt)
+    if spec is None:
+        check_file(ckpt, ADAPTER_CONFIG)
+        spec = read_adapter_spec(ckpt)
     base = spec.base if isinstance(spec.base, dict) else {}
     meta = ckpt / ADAPTER_CONFIG
     if base.get("kind") == "run":
@@ -269,8 +271,17 @@ def adapter_state(path: str | Path) -> tuple[AdapterSpec, dict[str, torch.Tensor
     not yet quantised for a QLoRA adapter), under the plain model's names; the adapter under
     :func:`tokenloom.nn.lora.lora_state_dict`'s."""
     ckpt = resolve_checkpoint(path)
-    spec, tensors = read_adapter(ckpt)
+    spec, tensors = read_checked_adapter(ckpt)
     return spec, read_weights(adapter_base(ckpt, spec)), tensors
+
+
+def read_checked_adapter(path: str | Path) -> tuple[AdapterSpec, dict[str, torch.Tensor]]:
+    """:func:`tokenloom.nn.lora.read_adapter` of the checkpoint at ``path``, its files (``adapter.json``,
+    ``adapter.safetensors``) first checked against its ``checksums.json``."""
+    ckpt = resolve_checkpoint(path)
+    for name in (ADAPTER_CONFIG, ADAPTER_WEIGHTS):
+        check_file(ckpt, name)
+    return read_adapter(ckpt)
 
 
 def merged_adapter_state(spec: AdapterSpec, base: dict[str, torch.Tensor],
@@ -339,6 +350,7 @@ def load_tokenizer(path: str | Path):
     if eos is not None and not isinstance(eos, str):
         raise CheckpointError(f"{ckpt / CONFIG_FILE}: tokenizer.eos_token must be a token (a string) or null, "
                               f"got {eos!r}")
+    check_file(ckpt, TOKENIZER_FILE)
     tokenizer = Tokenizer.from_file(ckpt / TOKENIZER_FILE, eos_token=eos)
     for key in ("chat_template", "bos_token"):  # the chat template the checkpoint records (tokenloom.data.chat)
         value = section.get(key) if isinstance(section, dict) else None
@@ -431,6 +443,7 @@ def merge_adapter_checkpoint(source: str | Path, out: str | Path, force: bool = 
         raise CheckpointError(f"--out {out} is the adapter checkpoint itself; write the merged copy elsewhere")
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not force:
         raise CheckpointError(f"{out} already exists and is not empty; choose another --out or pass --force")
+    check_file(ckpt, ADAPTER_CONFIG)
     spec = read_adapter_spec(ckpt)
     model, config = load_model(ckpt)
     train = config.get("train") if isinstance(config.get("train"), dict) else {}

@@ -74,6 +74,10 @@ class CheckpointError(TokenloomError):
     """A checkpoint directory is missing, truncated or corrupt."""
 
 
+class ChecksumError(CheckpointError):
+    """A checkpoint file's bytes are not those its ``checksums.json`` records (truncated, corrupt or edited)."""
+
+
 class TokenizerError(TokenloomError):
     """Text cannot be encoded (characters outside the vocabulary) or ids cannot be decoded."""
 

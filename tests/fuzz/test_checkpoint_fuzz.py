@@ -8,8 +8,9 @@ What is acceptable, per loader:
   ``newest_intact_checkpoint`` and the whole resume (``load_run_config(read_config(run))`` then ``setup_run(...,
   resume=True)``, what ``tokenloom train --resume`` does): a result or a one-line :class:`TokenloomError`
   (CheckpointError mostly), never another exception.
-* A load may succeed from damaged bytes: a flipped byte inside a float weight is just another weight (the weights
-  are not checksummed by ``load_model``; ``--resume`` checks ``checksums.json`` first), a flipped letter in a
+* A load may succeed from damaged bytes when the checksums were regenerated: a flipped byte inside a float weight is
+  just another weight (with the checksums as written, every loader refuses a file that does not match
+  ``checksums.json``: tests/checkpoint/test_checksums.py), a flipped letter in a
   vocabulary entry is another token, an edited config value that still describes the same shapes is a valid
   config. A model that loads has the architecture its config names and runs (its logits may be anything).
 * With the checksums as written, any change to a checksummed file makes ``newest_intact_checkpoint`` refuse it

@@ -193,7 +193,8 @@ def test_the_schema_states_the_new_fields(client):
     assert [k for k in ("0", "9", "64", "65", "010", "-1", "1e2") if key.match(k)] == ["0", "9", "64"]
     assert props["logit_bias"]["maxProperties"] == 300
     chat = paths[CHAT]["post"]["requestBody"]["content"]["application/json"]["schema"]
-    assert chat["properties"]["top_logprobs"]["maximum"] == 20 and "echo" not in chat["properties"]
+    assert chat["properties"]["top_logprobs"]["maximum"] == 20
+    assert chat["properties"]["echo"]["enum"] == [False, None]  # chat has no echo: only "not used" is accepted
     assert chat["allOf"][0]["then"]["properties"]["logprobs"] == {"const": True}
 
 
@@ -572,25 +573,159 @@ def test_the_tokenizer_routes_are_behind_the_api_key(shakes):
         assert ok.status_code == 200
 
 
-def test_a_grammar_that_compiles_too_long_is_a_400_and_the_server_goes_on(shakes, monkeypatch):
+def test_a_grammar_that_compiles_too_long_is_a_400_and_the_server_goes_on(shakes):
     pytest.importorskip("outlines_core")
-    import time as clock
-
-    from tokenloom.generation import constraints
-    from tokenloom.serving.routes import completions as routes
-
-    real = constraints.build_constraint
-
-    def slow(*args, **kwargs):
-        if kwargs.get("regex") == "(to|be)+":
-            clock.sleep(1.0)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(constraints, "build_constraint", slow)
-    monkeypatch.setattr(routes, "MAX_COMPILE_SECONDS", 0.2)
-    with _client(shakes) as c:
+    with _client(shakes, grammar_seconds=1.0) as c:  # (tests/serving/test_grammar_limits.py: what is left behind)
         status, reply = post(c, {"prompt": "A", "max_tokens": 4,
-                                 "response_format": {"type": "regex", "regex": "(to|be)+"}})
-        assert status == 400 and "took over 0.2 s to compile" in reply["error"]["message"], reply
+                                 "response_format": {"type": "regex", "regex": "(a|b|c)*a(a|b){22}"}})
+        assert status == 400 and "took over 1 s to compile" in reply["error"]["message"], reply
         status, reply = post(c, {"prompt": "ROMEO:", "max_tokens": 4})
         assert status == 200
+
+
+# --- OpenAI fields the server does not implement (tokenloom.serving.fields) ----------------------------------------
+
+# a value that asks for what each unsupported field does (a new row of the table needs one here)
+USED = {"best_of": 3, "suffix": "the end", "echo": True, "tools": [{"type": "function", "function": {"name": "f"}}],
+        "tool_choice": "auto", "functions": [{"name": "f", "parameters": {}}], "function_call": "auto",
+        "audio": {"voice": "alloy", "format": "wav"}, "modalities": ["text", "audio"], "reasoning_effort": "high",
+        "verbosity": "low", "web_search_options": {}, "min_p": 0.1, "repetition_penalty": 1.2,
+        "length_penalty": 0.5, "use_beam_search": True, "min_tokens": 5, "ignore_eos": True, "stop_token_ids": [3],
+        "include_stop_str_in_output": True, "guided_json": {"type": "object"}, "guided_regex": "a+",
+        "guided_choice": ["a"], "guided_grammar": "root ::= 'a'"}
+PLAIN = {COMPLETIONS: {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0},
+         CHAT: {"messages": MESSAGES, "max_tokens": 3, "temperature": 0}}
+
+
+def _table(kind):
+    from tokenloom.serving.fields import ROUTES, Unsupported, rules
+
+    return [pytest.param(route, name, rule, id=f"{route.rsplit('/', 1)[1]}-{name}") for route in ROUTES
+            for name, rule in rules(route).items()
+            if (isinstance(rule, Unsupported) if kind == "unsupported" else rule == kind)]
+
+
+def _text(reply: dict) -> str:
+    choice = reply["choices"][0]
+    return choice["text"] if "text" in choice else choice["message"]["content"]
+
+
+@pytest.mark.parametrize("route, name, rule", _table("unsupported"))
+def test_a_field_that_would_change_the_result_is_a_400_naming_it(client, route, name, rule):
+    status, reply = post(client, {**PLAIN[route], name: USED[name]}, route)
+    assert status == 400, reply
+    error = reply["error"]
+    assert (error["param"], error["code"], error["type"]) == (name, "unsupported_parameter", "invalid_request_error")
+    assert error["message"] == f"'{name}' is not supported by this server; {rule.hint()}"
+
+
+def test_best_of_is_refused_in_the_words_a_client_can_act_on(client):
+    for value in (3, 2.0, True, "1"):
+        status, reply = post(client, {**PLAIN[COMPLETIONS], "best_of": value})
+        assert status == 400 and reply["error"]["param"] == "best_of", reply
+        assert reply["error"]["message"] == "'best_of' is not supported by this server; leave it out or set it to 1"
+
+
+@pytest.mark.parametrize("route, name, rule", _table("unsupported"))
+def test_the_values_that_mean_not_used_are_accepted_and_change_nothing(client, route, name, rule):
+    status, plain = post(client, PLAIN[route], route)
+    assert status == 200, plain
+    for value in (*rule.accepted, None, *(1.0 for ok in rule.accepted if ok == 1 and ok is not True)):
+        status, reply = post(client, {**PLAIN[route], name: value}, route)
+        assert status == 200, (value, reply)
+        assert _text(reply) == _text(plain)
+
+
+@pytest.mark.parametrize("route, name, rule", [*_table("harmless"),
+                                               *(pytest.param(r, "x_unknown_field", None, id=f"{r[4:]}-unknown")
+                                                 for r in (COMPLETIONS, CHAT))])
+def test_harmless_and_unknown_fields_are_accepted_and_change_nothing(client, route, name, rule):
+    status, plain = post(client, PLAIN[route], route)
+    for value in ("someone", {"k": "v"}, True):
+        status, reply = post(client, {**PLAIN[route], name: value}, route)
+        assert status == 200, (value, reply)
+        assert _text(reply) == _text(plain)
+
+
+def test_the_table_and_the_published_schema_name_the_same_fields(client):
+    from tokenloom.serving.fields import ROUTES, Unsupported, rules
+
+    paths = client.get("/openapi.json").json()["paths"]
+    for route in ROUTES:
+        props = paths[route]["post"]["requestBody"]["content"]["application/json"]["schema"]["properties"]
+        table = rules(route)
+        assert set(props) == set(table), set(props) ^ set(table)  # every field the route reads is in the table
+        for name, rule in table.items():
+            if isinstance(rule, Unsupported):
+                assert props[name]["enum"] == [*rule.accepted, None] and "not supported" in props[name]["description"]
+
+
+# --- translations longer than the model's source limit --------------------------------------------------------------
+
+DE_EN = Path(__file__).resolve().parents[2] / "checkpoints" / "multi30k-de-en"
+LONG = "Ein Hund rennt. " * 3000  # 48,000 characters: it was translated as one sentence, cut silently
+
+
+@pytest.fixture(scope="module")
+def translator():
+    from fastapi.testclient import TestClient
+
+    from tokenloom.checkpoint import load_model, load_tokenizer
+    from tokenloom.serving.app import ServeConfig, create_app
+
+    model, tokenizer = load_model(DE_EN)[0].eval(), load_tokenizer(DE_EN)
+    app = create_app(model, tokenizer, ServeConfig(model_name="de-en", request_timeout=60))
+    with TestClient(app, base_url="http://127.0.0.1") as c:
+        yield c, model, tokenizer
+
+
+def _words(tokenizer, n: int) -> str:
+    """A German text of exactly ``n`` tokens."""
+    words, text = "Ein Hund rennt über die grüne Wiese und ein Mann schaut zu .".split(), ""
+    i = 0
+    while len(tokenizer.encode(text)) < n:
+        text = (text + " " + words[i % len(words)]).strip()
+        i += 1
+    assert len(tokenizer.encode(text)) == n  # (each word here is one token or more: the search may overshoot)
+    return text
+
+
+def test_a_translation_input_over_the_source_limit_is_a_400_naming_it(translator):
+    client, model, tokenizer = translator
+    limit = model.config.max_source_len
+    for body, where in (({"input": LONG}, "'input' is"), ({"input": ["Ein Hund rennt.", LONG]}, "'input'[1] is")):
+        r = client.post("/v1/translations", json=body)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert (error["param"], error["code"]) == ("input", "context_length_exceeded")
+        assert error["message"].startswith(where) and f"source limit of {limit} tokens" in error["message"]
+        assert '"truncate": true' in error["message"] and "\n" not in error["message"]
+    fits, over = _words(tokenizer, limit - 1), None  # limit - 1 tokens and the end-of-sentence token: the limit
+    for n in range(limit, limit + 4):  # (a word of two tokens may skip n = limit)
+        try:
+            over = _words(tokenizer, n)
+            break
+        except AssertionError:
+            continue
+    r = client.post("/v1/translations", json={"input": [fits]})
+    assert r.status_code == 200 and r.json()["data"][0]["truncated"] is False, r.text
+    r = client.post("/v1/translations", json={"input": [fits, over]})
+    assert r.status_code == 400 and "'input'[1]" in r.json()["error"]["message"], r.text
+
+
+def test_truncate_true_translates_the_cut_input_and_says_which(translator):
+    from tokenloom.tasks.translation import translate
+
+    client, model, tokenizer = translator
+    r = client.post("/v1/translations", json={"input": ["Ein Hund rennt.", LONG], "truncate": True})
+    assert r.status_code == 200, r.text
+    data = r.json()["data"]
+    assert [(d["index"], d["truncated"]) for d in data] == [(0, False), (1, True)]
+    assert data[0]["translation"] == "A dog runs."
+    with torch.inference_mode(), pytest.warns(UserWarning, match="truncated"):
+        expected = translate(model, tokenizer, [LONG], beam=1, truncate=True)[0]
+    assert data[1]["translation"] == expected and expected  # the input's first tokens, translated
+    schema = client.get("/openapi.json").json()["paths"]["/v1/translations"]["post"]
+    body = schema["requestBody"]["content"]["application/json"]["schema"]["properties"]
+    assert body["truncate"]["type"] == ["boolean", "null"] and str(model.config.max_source_len) in \
+        body["input"]["description"]

@@ -1,10 +1,12 @@
 """The server's transport against clients that misbehave (issue 23): silent and trickling sockets, too many
-connections, a huge header, a non-streaming client that leaves, bodies the JSON parser chokes on, a client
-leaving mid-body, HTTP/1.0 streaming, and an unexpected exception in a handler. A real server process, except
-the last."""
+connections (idle ones shed to make room, a fast 503 when none is idle), a huge header, a non-streaming client
+that leaves, bodies the JSON parser chokes on, a client leaving mid-body, HTTP/1.0 streaming, and an unexpected
+exception in a handler. A real server process, except the last and the pure ones."""
 
 import json
 import re
+import select
+import socket
 import time
 
 import pytest
@@ -69,46 +71,125 @@ def test_a_request_trickled_in_gets_408_at_the_read_timeout(limited):
     s.close()
 
 
-def test_a_body_trickled_in_is_cut_at_the_read_timeout_without_a_traceback(limited, offline):
+def test_a_body_trickled_in_gets_408_at_the_read_timeout_while_the_handler_reads_it(limited, offline):
     s = connect(limited)
     start = time.monotonic()
-    s.sendall(request_bytes(limited, b'{"prompt": ', length=100))
-    try:
-        while time.monotonic() - start < READ + 3:
+    s.sendall(request_bytes(limited, b'{"prompt": ', length=100))  # the handler starts reading the body
+    try:  # a byte a second: each resets no timer; the handler waits for the rest (it got no reply at all)
+        while time.monotonic() - start < READ + 3 and not select.select([s], [], [], 1.0)[0]:
             s.sendall(b" ")
-            time.sleep(0.3)
     except OSError:
         pass
-    assert not read_all(s, 5).endswith(b"<timeout>")
-    assert time.monotonic() - start < READ + 3
+    reply = read_all(s, 5)
+    assert time.monotonic() - start < READ + 2
+    assert reply.startswith(b"HTTP/1.1 408"), reply[:200]
+    head, payload = reply.split(b"\r\n\r\n", 1)
+    assert b"connection: close" in head.lower()
+    assert json.loads(payload)["error"]["code"] == "request_timeout"  # one reply: the handler's later 499 is a no-op
     s.close()
-    assert_serving(limited, offline)
+    time.sleep(0.3)
+    assert health(limited).json()["active"] == 0
+    assert_serving(limited, offline)  # no traceback (a send after the 408 would raise in the handler)
+
+
+CONCURRENCY = 4
+CAP = 2 * CONCURRENCY + 16  # --limit-connections' default
 
 
 @pytest.fixture(scope="module")
 def crowded():
-    s = LiveServer(SHAKES, "--limit-concurrency", "100", "--timeout-keep-alive", "30", "--max-tokens", "8")
+    s = LiveServer(SHAKES, "--limit-concurrency", str(CONCURRENCY), "--timeout-keep-alive", "30", "--timeout-read",
+                   "30", "--max-tokens", "8")
     yield s
     s.stop()
 
 
-def test_past_the_concurrency_limit_requests_get_503_and_past_twice_it_connections_close(crowded):
-    sockets = [connect(crowded) for _ in range(110)]
+@pytest.fixture(scope="module")
+def descriptors():
+    """Room in this process's file-descriptor limit for the sockets a test holds (the soft limit raised to the
+    hard one when it is lower; skipped when even that is too low)."""
+    resource = pytest.importorskip("resource")
+    needed = 700
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < needed:
+        if hard != resource.RLIM_INFINITY and hard < needed:
+            pytest.skip(f"ulimit -n allows {hard} file descriptors; the test holds {needed}")
+        resource.setrlimit(resource.RLIMIT_NOFILE, (needed, hard))
+        yield
+        resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+    else:
+        yield
+
+
+def settle(server) -> None:
+    """Wait until the server answers /health with 200 again (the sockets of the test before have gone)."""
+    deadline = time.monotonic() + 5
+    while health(server).status_code != 200 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert health(server).status_code == 200
+
+
+def partial(server) -> socket.socket:
+    """A connection that has begun a request (half its headers): busy, never shed."""
+    s = connect(server)
+    s.sendall(f"GET /health HTTP/1.1\r\nHost: {server.host}\r\n".encode())
+    return s
+
+
+def test_600_idle_connections_are_shed_so_a_new_client_is_served(crowded, offline, descriptors):
+    sockets = [connect(crowded) for _ in range(600)]  # 600 past a cap of 24: every new client was reset
     try:
-        time.sleep(0.2)
-        r = health(crowded)  # over --limit-concurrency 100
-        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded"
-        more = [connect(crowded) for _ in range(150)]  # 2 * 100 + 16 open is the cap
-        sockets += more
-        assert not closed_by_server(sockets[0], 0.2)  # the first ones wait for their idle timeout (30 s)
-        assert all(closed_by_server(s, 0.5) for s in more[-20:])  # the ones past the cap are closed on arrival
+        time.sleep(0.3)
+        start = time.monotonic()
+        r = httpx.post(crowded.url + "/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 5,
+                                                               "temperature": 0}, timeout=2)
+        assert time.monotonic() - start < 2
+        assert r.status_code == 200 and r.json()["choices"][0]["text"] == offline("ROMEO:", 5)
+        open_ = [not closed_by_server(s, 0.01) for s in sockets]
+        assert sum(open_) <= CAP  # the rest were shed, ...
+        assert not any(open_[:600 - CAP]) and all(open_[-(CAP - 1):])  # ... the longest idle first
     finally:
         for s in sockets:
             s.close()
-    deadline = time.monotonic() + 5
-    while health(crowded).status_code != 200 and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert health(crowded).status_code == 200
+    settle(crowded)
+    assert "Traceback" not in crowded.log()
+
+
+def test_past_the_cap_with_none_idle_a_new_client_gets_a_fast_503_and_past_twice_it_a_close(crowded):
+    busy = [partial(crowded) for _ in range(CAP)]
+    try:
+        time.sleep(0.2)
+        start = time.monotonic()
+        r = health(crowded)  # nothing to shed: the newcomer's request is read and answered 503
+        assert time.monotonic() - start < 2
+        assert r.status_code == 503 and r.json()["error"]["code"] == "overloaded", r.text
+        assert "--limit-connections" in r.json()["error"]["message"]
+        busy += [partial(crowded) for _ in range(CAP)]  # kept past the cap (up to twice it), busy too
+        time.sleep(0.2)
+        late = connect(crowded)
+        assert closed_by_server(late, 1)  # past twice the cap: closed on arrival
+        late.close()
+        assert not any(closed_by_server(s, 0.01) for s in busy)  # a request begun is never shed
+    finally:
+        for s in busy:
+            s.close()
+    settle(crowded)
+
+
+def test_past_the_concurrency_limit_running_requests_get_503(crowded):
+    readers = []
+    try:
+        for _ in range(CONCURRENCY):  # each handler waits for the rest of its body: a running request
+            s = connect(crowded)
+            s.sendall(request_bytes(crowded, b'{"prompt": ', length=100))
+            readers.append(s)
+        time.sleep(0.3)
+        r = health(crowded)
+        assert r.status_code == 503 and "--limit-concurrency" in r.json()["error"]["message"], r.text
+    finally:
+        for s in readers:
+            s.close()
+    settle(crowded)
 
 
 def test_headers_over_the_limit_get_431_and_a_100_mb_header_is_cut_off(limited):
@@ -254,9 +335,76 @@ def test_an_unexpected_exception_is_a_one_line_json_500(monkeypatch, capsys):
         assert client.get("/health").json()["status"] == "ok"  # the server goes on
 
 
+class FakeConnection:
+    def __init__(self, name: int) -> None:
+        self.name, self.closed = name, False
+
+    def shed(self) -> None:
+        self.closed = True
+
+
+def test_the_pool_sheds_the_longest_idle_first_and_never_a_busy_one():
+    from tokenloom.serving.transport import ConnectionPool
+
+    pool = ConnectionPool(cap=3, ceiling=5)
+    a, b, c, d, e, f, g, h = (FakeConnection(i) for i in range(8))
+    for conn in (a, b, c):
+        assert pool.admit(conn) is True
+        pool.rest(conn)
+    pool.wake(a)  # a begins a request; then b goes busy and idle again (kept alive): c is now the longest idle
+    pool.wake(b)
+    pool.rest(b)
+    assert pool.admit(d) is True and c.closed and not a.closed and not b.closed  # c shed for d
+    pool.rest(d)
+    assert pool.admit(e) is True and b.closed  # then b (idle since after c), then d
+    pool.wake(d)
+    pool.wake(e)
+    assert pool.admit(f) is False and pool.open == 4  # nothing idle: kept past the cap (its request gets 503)
+    pool.rest(f)
+    assert pool.admit(g) is False and f.closed and pool.open == 4  # a newcomer sheds an idle one past the cap too
+    pool.wake(g)
+    assert pool.admit(h) is False and pool.open == 5
+    assert pool.admit(FakeConnection(9)) is None and pool.open == 5  # past the ceiling: closed on arrival
+    for conn in (a, d, e, g, h):
+        pool.leave(conn)
+    assert pool.open == 0 and not pool.idle and pool.shed == 3
+
+
+def test_the_connection_cap_is_sized_under_the_file_descriptor_limit():
+    from tokenloom.errors import ConfigError
+    from tokenloom.serving.transport import FD_RESERVE, TransportLimits
+
+    assert TransportLimits().max_connections == 2 * 256 + 16
+    assert TransportLimits(limit_concurrency=8).max_connections == 32
+    small = TransportLimits(fd_limit=FD_RESERVE + 100)  # ulimit -n leaves 100 connections: the default fits
+    assert small.max_connections == 100 and small.connection_ceiling == 100
+    assert TransportLimits(limit_connections=50, fd_limit=FD_RESERVE + 1000).connection_ceiling == 100
+    with pytest.raises(ConfigError, match="ulimit -n"):
+        TransportLimits(limit_connections=2000, fd_limit=1024)
+    with pytest.raises(ConfigError, match="ulimit -n"):
+        TransportLimits(fd_limit=FD_RESERVE)
+
+
+def test_serve_raises_the_soft_file_descriptor_limit_to_the_hard_one():
+    import subprocess
+    import sys
+
+    resource = pytest.importorskip("resource")
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    low = 256 if hard == resource.RLIM_INFINITY else min(256, hard)
+    code = ("import resource; from tokenloom.serving.transport import raise_fd_limit; "
+            f"resource.setrlimit(resource.RLIMIT_NOFILE, ({low}, resource.getrlimit(resource.RLIMIT_NOFILE)[1])); "
+            "print(raise_fd_limit(), resource.getrlimit(resource.RLIMIT_NOFILE)[0])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    raised, now = out.stdout.split()
+    expected = min(hard, 1 << 20) if hard != resource.RLIM_INFINITY else 1 << 20
+    assert int(raised) == int(now) == expected
+
+
 @pytest.mark.parametrize("flag, value", [("--timeout-keep-alive", "0"), ("--timeout-keep-alive", "nan"),
                                          ("--timeout-read", "-1"), ("--limit-concurrency", "0"),
-                                         ("--max-header-bytes", "100")])
+                                         ("--limit-connections", "0"), ("--limit-connections", "5000000"),
+                                         ("--backlog", "0"), ("--max-header-bytes", "100")])
 def test_bad_transport_flags_are_one_line_errors(capsys, flag, value):
     from tokenloom.cli.main import main
 

@@ -17,7 +17,7 @@ import torch
 
 from ..checkpoint import load_model, load_tokenizer, read_config, resolve_checkpoint
 from ..devices import device_of
-from ..errors import ConfigError, DataError, GenerationError, TrainingError
+from ..errors import CheckpointError, ConfigError, DataError, GenerationError, TrainingError
 from ..generation.config import offset_seed
 from ..models.registry import decoding_of
 from .loading import load_inference_model, translation_model
@@ -46,7 +46,16 @@ def train(args: argparse.Namespace) -> int:
     if args.resume:
         if not args.recipe and not out.exists():
             raise ConfigError(f"--resume: no run directory at {out}")
-        recorded = read_config(out)
+        try:
+            recorded = read_config(out)
+        except CheckpointError:  # its config.yaml damaged: the recipe of the checkpoint the run resumes from
+            import warnings
+
+            from ..training.setup import newest_intact_checkpoint
+
+            with warnings.catch_warnings():  # (setup_run says it, once, when it resumes from there)
+                warnings.simplefilter("ignore")
+                recorded = read_config(newest_intact_checkpoint(out))
         if "quantization" in recorded:  # a weight-only quantised checkpoint: one line, before the recipe check
             from ..checkpoint import refuse_quantized
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..checkpoint import adapter_base, merge_adapter_checkpoint, resolve_checkpoint
+from ..checkpoint import adapter_base, merge_adapter_checkpoint, read_checked_adapter, resolve_checkpoint
 from ..errors import CheckpointError
-from ..nn.lora import ADAPTER_WEIGHTS, is_adapter, read_adapter
+from ..nn.lora import ADAPTER_WEIGHTS, is_adapter
 
 
 def info(args: argparse.Namespace) -> int:
@@ -16,7 +16,7 @@ def info(args: argparse.Namespace) -> int:
     ckpt = resolve_checkpoint(args.checkpoint)
     if not is_adapter(ckpt):
         raise CheckpointError(f"{ckpt} holds no LoRA adapter (adapter.json): a full checkpoint")
-    spec, tensors = read_adapter(ckpt)
+    spec, tensors = read_checked_adapter(ckpt)  # its files checked against checksums.json
     adapters = sum(t.numel() for key, t in tensors.items() if key.endswith((".lora_A.weight", ".lora_B.weight")))
     full = [key for key in tensors if not key.endswith((".lora_A.weight", ".lora_B.weight"))]
     try:

@@ -454,12 +454,22 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-tokens", type=int, default=1024, help="the largest max_tokens a request may ask")
     p.add_argument("--max-body-bytes", type=int, default=1 << 20, help="request body limit (default 1 MiB)")
     p.add_argument("--request-timeout", type=float, default=300.0, help="seconds before a request ends (504)")
+    p.add_argument("--grammar-seconds", type=float, default=10.0, help="seconds a response_format grammar may "
+                   "take to compile (in a worker process, killed at the limit; the request gets 400; default 10)")
+    p.add_argument("--grammar-memory-mb", type=int, default=1024, help="memory a response_format grammar's compile "
+                   "may use, in MB (its worker is capped; past it the request gets 400; default 1024)")
     p.add_argument("--timeout-keep-alive", type=float, default=5.0, help="seconds an idle connection stays open, "
                    "before its first request and between requests (default 5)")
     p.add_argument("--timeout-read", type=float, default=30.0, help="seconds a request has to arrive whole (headers "
                    "and body) once its first byte has come; slower ones get 408 (default 30)")
-    p.add_argument("--limit-concurrency", type=int, default=256, help="open connections or running requests "
-                   "beyond which requests get 503; connections beyond twice it are closed on arrival (default 256)")
+    p.add_argument("--limit-concurrency", type=int, default=256, help="running requests beyond which a request "
+                   "gets 503 (default 256)")
+    p.add_argument("--limit-connections", type=int, default=None, help="open connections beyond which a new one "
+                   "sheds the idle ones (no request begun), longest idle first; when none is idle its request gets "
+                   "503, and past twice the cap it is closed on arrival (default 2 x --limit-concurrency + 16, at "
+                   "most what the file-descriptor limit leaves: serve raises its soft limit to the hard one)")
+    p.add_argument("--backlog", type=int, default=2048, help="connections the kernel queues before the server "
+                   "accepts them (listen backlog; the kernel caps it at net.core.somaxconn; default 2048)")
     p.add_argument("--max-header-bytes", type=int, default=65536, help="request line plus headers; larger get 431 "
                    "(default 64 KiB)")
     p.add_argument("--model-name", default=None, help="the model id in the API (default: the run's name)")

@@ -22,10 +22,12 @@ def serve(args: argparse.Namespace) -> int:
 
     if not 1 <= args.port <= 65535:
         raise ConfigError(f"--port must be in [1, 65535], got {args.port}")
-    from ..serving.transport import TransportLimits
+    from ..serving.transport import TransportLimits, raise_fd_limit
 
     limits = TransportLimits(timeout_keep_alive=args.timeout_keep_alive, timeout_read=args.timeout_read,
-                             limit_concurrency=args.limit_concurrency, max_header_bytes=args.max_header_bytes)
+                             limit_concurrency=args.limit_concurrency, limit_connections=args.limit_connections,
+                             backlog=args.backlog, max_header_bytes=args.max_header_bytes,
+                             fd_limit=raise_fd_limit())  # the connection cap is sized under ulimit -n, raised
     ckpt = resolve_checkpoint(args.checkpoint)
     family = (read_config(ckpt).get("model") or {}).get("family", "gpt")
     if family not in ("gpt", "seq2seq", "nat"):
@@ -40,7 +42,8 @@ def serve(args: argparse.Namespace) -> int:
                          allowed_hosts=_listed(args.allowed_hosts), cors_origins=_listed(args.cors_origin),
                          prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens,
                          block_size=args.block_size, kv_blocks=args.kv_blocks, prefix_caching=args.prefix_caching,
-                         prefill_tokens=args.prefill_tokens)
+                         prefill_tokens=args.prefill_tokens, grammar_seconds=args.grammar_seconds,
+                         grammar_memory_mb=args.grammar_memory_mb)
     if family == "gpt":
         _check_cache_budget(ckpt, config, args.precision)  # before the model loads
     # the flags are checked (above) before the model loads

@@ -42,42 +42,24 @@ import re
 import threading
 from collections import OrderedDict
 from collections.abc import Hashable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
-from ..errors import TokenloomError
+from ..grammar.compile import (
+    MARKER,
+    MARKER_LEAD,
+    Compiled,
+    ConstraintError,
+    Vocabulary,
+    compile_grammar,
+    library,
+    one_line,
+)
 
 CACHE_SIZE = 32  # compiled constraints kept (LRU)
 _VOCAB_CACHE_SIZE = 8  # tokenizer vocabularies kept (LRU)
-_MAX_DETAIL = 160  # characters of a library message quoted in an error
-# The end marker appended to every regex: outlines-core 0.2's index drops a token that takes a complete match on to a
-# longer, not yet complete text (regex-automata reports a match one byte late), e.g. "a" after "ab" for (ab)+. With
-# the marker no prefix of the text is a complete match, so every continuation stays, and a state is final when the
-# marker may follow it. The marker is U+10FFFF, spelled only by a stand-in token: tokens holding its lead byte 0xF4
-# (in UTF-8 text: the private-use characters U+100000..U+10FFFF alone) are left out, so none can start it.
-_MARKER = "\U0010ffff"
-_MARKER_LEAD = 0xF4
-
-
-class ConstraintError(TokenloomError, ValueError):
-    """A constraint cannot be built (a schema or regex that does not compile, an empty choice list, a tokenizer
-    whose vocabulary cannot express it) or followed; ``str(err)`` is one line."""
-
-
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split()) or type(err).__name__
-    return text if len(text) <= _MAX_DETAIL else text[:_MAX_DETAIL - 3] + "..."
-
-
-def _library():
-    try:
-        import outlines_core
-    except ImportError:
-        raise ConstraintError("constrained decoding needs outlines-core, which is not installed "
-                              "(pip install 'tokenloom[serve]' or pip install outlines-core)") from None
-    return outlines_core
 
 
 # ---- vocabulary: token id -> the bytes it stands for ----------------------------------------------------------------
@@ -170,12 +152,11 @@ class _Vocabulary:
     spelling)."""
 
     backend: object  # kept so that the cache key (its id) cannot be reused while this entry lives
-    vocabulary: object
-    marker_id: int
+    vocabulary: Vocabulary
 
 
 _vocab_cache: OrderedDict[Hashable, _Vocabulary] = OrderedDict()
-_index_cache: OrderedDict[Hashable, _Compiled] = OrderedDict()
+_index_cache: OrderedDict[Hashable, Compiled] = OrderedDict()
 _cache_lock = threading.Lock()
 
 
@@ -201,9 +182,9 @@ def _vocabulary(tokenizer, vocab_size: int, eos_id: int | None) -> tuple[Hashabl
     key = (id(backend), vocab_size, eos_id)
     if (found := _cached(_vocab_cache, key)) is not None:
         return key, found
-    oc = _library()
+    oc = library()
     pieces = {i: b for i, b in token_bytes(tokenizer).items()
-              if 0 <= i < vocab_size and i != eos_id and _MARKER_LEAD not in b}
+              if 0 <= i < vocab_size and i != eos_id and MARKER_LEAD not in b}
     if not pieces:
         raise ConstraintError(f"the tokenizer has no text tokens below the model's vocab_size={vocab_size}")
     grouped: dict[bytes, list[int]] = {}
@@ -211,45 +192,12 @@ def _vocabulary(tokenizer, vocab_size: int, eos_id: int | None) -> tuple[Hashabl
         grouped.setdefault(data, []).append(idx)
     first_free = max(vocab_size, max(pieces) + 1)
     marker_id = first_free + 1  # first_free: the library's EOS
-    grouped[_MARKER.encode()] = [marker_id]
-    entry = _Vocabulary(backend, oc.Vocabulary(first_free, grouped), marker_id)
+    grouped[MARKER.encode()] = [marker_id]
+    entry = _Vocabulary(backend, Vocabulary(oc.Vocabulary(first_free, grouped), marker_id))
     return key, _store(_vocab_cache, key, entry, _VOCAB_CACHE_SIZE)
 
 
 # ---- compiling ------------------------------------------------------------------------------------------------------
-
-@dataclass
-class _Compiled:
-    """A compiled constraint, shared by every request with the same tokenizer and spec."""
-
-    index: object
-    what: str  # e.g. "regex '[a-z]+'", for messages
-    marker_id: int
-    words: int  # int32 words of a token bitmask (the library's ids included)
-    _finals: set = field(default_factory=set)
-    _final: dict = field(default_factory=dict)  # state -> whether the text there is a complete match
-
-    def is_final(self, state: int) -> bool:
-        final = self._final.get(state)
-        if final is None:
-            after = self.index.get_next_state(state, self.marker_id)
-            final = self._final[state] = after is not None and after in self._finals
-        return final
-
-
-def _escape(text: str) -> str:
-    """``text`` as a literal Rust regex."""
-    return "".join(ch if ch.isascii() and ch.isalnum() else f"\\x{{{ord(ch):X}}}" for ch in text)
-
-
-def _strip_anchors(regex: str) -> str:
-    if regex.startswith("^"):
-        regex = regex[1:]
-    body = regex[:-1]
-    if regex.endswith("$") and (len(body) - len(body.rstrip("\\"))) % 2 == 0:  # not an escaped \$
-        regex = body
-    return regex
-
 
 def _spec(json_schema, json_object, regex, choice) -> tuple[str, str, str]:
     """(kind, canonical spec, what) of the one constraint asked for."""
@@ -264,64 +212,63 @@ def _spec(json_schema, json_object, regex, choice) -> tuple[str, str, str]:
         try:
             text = json.dumps(json_schema, ensure_ascii=False)  # key order kept: it is the properties' order
         except (TypeError, ValueError) as err:
-            raise ConstraintError(f"json_schema is not JSON: {_one_line(err)}") from None
+            raise ConstraintError(f"json_schema is not JSON: {one_line(err)}") from None
         return "json_schema", text, "json_schema"
     if json_object:
         return "json_object", '{"type": "object"}', "json_object"
     if regex is not None:
         if not isinstance(regex, str):
             raise ConstraintError(f"regex must be a string, got {type(regex).__name__}")
-        return "regex", regex, f"regex {_one_line(repr(regex))}"
+        return "regex", regex, f"regex {one_line(repr(regex))}"
     if isinstance(choice, str) or not isinstance(choice, Sequence):
         raise ConstraintError(f"choice must be a list of strings, got {type(choice).__name__}")
     if not choice:
         raise ConstraintError("choice must list at least one string, got an empty list")
     bad = [c for c in choice if not isinstance(c, str)]
     if bad:
-        raise ConstraintError(f"choice must list strings, got {_one_line(repr(bad[0]))}")
+        raise ConstraintError(f"choice must list strings, got {one_line(repr(bad[0]))}")
     return "choice", json.dumps(sorted(set(choice)), ensure_ascii=False), f"choice of {len(set(choice))}"
 
 
-_UNICODE_DIGIT = re.compile(r"(?<!\\)((?:\\\\)*)\\d")  # an unescaped \d
+@dataclass(frozen=True)
+class GrammarJob:
+    """One constraint asked for, checked and ready to compile (:func:`grammar_job`): what a compiler needs (the
+    vocabulary, the canonical spec) and the cache key. ``compiled = job.cached() or job.store(compiler(job))``, then
+    ``job.constraint(compiled)`` per request; the compiler is :func:`compile_grammar` in-process
+    (:func:`build_constraint`) or a killable worker (:class:`~tokenloom.grammar.worker.GrammarWorkers`, the
+    server)."""
+
+    key: Hashable
+    vocabulary: Vocabulary
+    kind: str  # json_schema, json_object, regex or choice
+    spec: str  # canonical: the cache key's part
+    what: str  # e.g. "regex '[a-z]+'", for messages
+    vocab_size: int
+    eos_id: int | None
+
+    def cached(self) -> Compiled | None:
+        return _cached(_index_cache, self.key)
+
+    def store(self, compiled: Compiled) -> Compiled:
+        return _store(_index_cache, self.key, compiled, CACHE_SIZE)
+
+    def constraint(self, compiled: Compiled) -> Constraint:
+        """A new :class:`Constraint` over ``compiled`` (this job's), for one request."""
+        return Constraint(compiled, self.vocab_size, self.eos_id)
 
 
-def _regex_of(kind: str, spec: str) -> str:
-    if kind in ("json_schema", "json_object"):
-        try:
-            regex = _library().json_schema.build_regex_from_schema(spec)
-        except (ValueError, TypeError, OverflowError) as err:
-            raise ConstraintError(f"json_schema does not compile: {_one_line(err)}") from None
-        # the formats' \d (date, time, date-time) is any Unicode digit in Rust's regex: JSON wants 0-9
-        return _UNICODE_DIGIT.sub(r"\1[0-9]", regex)
-    if kind == "regex":
-        return _strip_anchors(spec)
-    return "|".join(_escape(c) for c in json.loads(spec))
-
-
-def _compile(vocab: _Vocabulary, kind: str, spec: str, what: str) -> _Compiled:
-    oc = _library()
-    regex = _regex_of(kind, spec)
-    try:
-        index = oc.Index(f"(?:{regex}){_escape(_MARKER)}", vocab.vocabulary)
-    except (ValueError, TypeError, OverflowError) as err:
-        detail = str(err)
-        if "incompatible" in detail:
-            missing = re.search(r"following characters: \[(.*?)\]", detail)
-            lacks = f" (it lacks {missing.group(1)})" if missing else ""
-            raise ConstraintError(f"the tokenizer's vocabulary cannot express this {what}{lacks}") from None
-        if kind in ("json_schema", "json_object"):
-            raise ConstraintError(f"json_schema does not compile: {_one_line(err)}") from None
-        if kind == "regex":  # Python's message points at the error; Rust's DFA builder only says that it failed
-            try:
-                re.compile(spec)
-            except re.error as py_err:
-                raise ConstraintError(f"{what} does not compile: {_one_line(py_err)}") from None
-            raise ConstraintError(f"{what} does not compile (Rust regex syntax: no look-around, no "
-                                  f"back-references): {_one_line(err)}") from None
-        raise ConstraintError(f"{what} does not compile: {_one_line(err)}") from None
-    compiled = _Compiled(index, what, vocab.marker_id, (vocab.marker_id + 1 + 31) // 32)
-    compiled._finals = set(index.get_final_states())
-    return compiled
+def grammar_job(tokenizer, vocab_size: int, *, json_schema: dict | None = None, json_object: bool = False,
+                regex: str | None = None, choice: list[str] | None = None, eos_id: int | None) -> GrammarJob:
+    """The :class:`GrammarJob` of :func:`build_constraint`'s arguments (checked: :class:`ConstraintError`); compiles
+    nothing (the tokenizer's vocabulary is read once and cached)."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ConstraintError(f"vocab_size must be a positive integer, got {vocab_size!r}")
+    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int)
+                               or not 0 <= eos_id < vocab_size):
+        raise ConstraintError(f"eos_id must be an id in [0, {vocab_size}) or None, got {eos_id!r}")
+    kind, spec, what = _spec(json_schema, json_object, regex, choice)
+    vocab_key, vocab = _vocabulary(tokenizer, vocab_size, eos_id)
+    return GrammarJob((vocab_key, kind, spec), vocab.vocabulary, kind, spec, what, vocab_size, eos_id)
 
 
 def build_constraint(tokenizer, vocab_size: int, *, json_schema: dict | None = None, json_object: bool = False,
@@ -334,19 +281,13 @@ def build_constraint(tokenizer, vocab_size: int, *, json_schema: dict | None = N
     model's logits width (ids the tokenizer does not have are never allowed), ``eos_id`` the token that ends the
     text once it matches (None: no such token; watch :attr:`Constraint.done`). The compiled index is cached per
     tokenizer and spec (LRU of ``CACHE_SIZE``), so only a new spec pays the compile time. Raises
-    :class:`ConstraintError` (one line) for a spec that does not compile or that the vocabulary cannot express."""
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
-        raise ConstraintError(f"vocab_size must be a positive integer, got {vocab_size!r}")
-    if eos_id is not None and (isinstance(eos_id, bool) or not isinstance(eos_id, int)
-                               or not 0 <= eos_id < vocab_size):
-        raise ConstraintError(f"eos_id must be an id in [0, {vocab_size}) or None, got {eos_id!r}")
-    kind, spec, what = _spec(json_schema, json_object, regex, choice)
-    vocab_key, vocab = _vocabulary(tokenizer, vocab_size, eos_id)
-    key = (vocab_key, kind, spec)
-    compiled = _cached(_index_cache, key)
-    if compiled is None:
-        compiled = _store(_index_cache, key, _compile(vocab, kind, spec, what), CACHE_SIZE)
-    return Constraint(compiled, vocab_size, eos_id)
+    :class:`ConstraintError` (one line) for a spec that does not compile or that the vocabulary cannot express.
+    The compile runs here, unbounded in time and memory; a server compiles a :func:`grammar_job` in a killable
+    worker instead (:class:`~tokenloom.grammar.worker.GrammarWorkers`)."""
+    job = grammar_job(tokenizer, vocab_size, json_schema=json_schema, json_object=json_object, regex=regex,
+                      choice=choice, eos_id=eos_id)
+    compiled = job.cached() or job.store(compile_grammar(job.vocabulary, job.kind, job.spec, job.what))
+    return job.constraint(compiled)
 
 
 def clear_cache() -> None:
@@ -365,9 +306,9 @@ class Constraint:
     """A logits processor that keeps one request's text inside a compiled constraint (see the module docstring).
     Stateful: make one per request with :func:`build_constraint`; it accepts batches of one row only."""
 
-    def __init__(self, compiled: _Compiled, vocab_size: int, eos_id: int | None) -> None:
+    def __init__(self, compiled: Compiled, vocab_size: int, eos_id: int | None) -> None:
         self._compiled, self.vocab_size, self.eos_id = compiled, vocab_size, eos_id
-        self._guide = _library().Guide(compiled.index, max_rollback=0)
+        self._guide = library().Guide(compiled.index, max_rollback=0)
         self._bits = torch.empty(compiled.words, dtype=torch.int32)
         self._prompt_len: int | None = None
         self._seen = 0  # tokens of input_ids already followed

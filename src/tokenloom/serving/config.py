@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..errors import ConfigError
+from ..grammar.worker import COMPILE_MEMORY_MB, COMPILE_SECONDS
 from .security import HostPolicy, check_api_key, check_cors_origins
 
 
@@ -34,6 +35,10 @@ class ServeConfig:
     kv_blocks: int | None = None  # blocks in the pool; None: max_batch x the context's blocks
     prefix_caching: bool = True  # reuse the cached blocks of a prompt's prefix
     prefill_tokens: int = 512  # tokens a step runs at most: decode tokens and prompt chunks together
+    # structured output (response_format): a grammar compiles in a worker process (tokenloom.grammar.worker), killed
+    # past these limits (the request gets a 400)
+    grammar_seconds: float = COMPILE_SECONDS  # wall-clock seconds a grammar may take to compile
+    grammar_memory_mb: int = COMPILE_MEMORY_MB  # memory a grammar's compile may use, in MB
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue", "max_tokens", "max_body_bytes", "max_prompts"):
@@ -49,6 +54,14 @@ class ServeConfig:
         if not (isinstance(self.request_timeout, (int, float)) and 0 < self.request_timeout <= 86400 * 7):
             raise ConfigError(f"--request-timeout must be a number of seconds in (0, 604800], got "
                               f"{self.request_timeout}")  # NaN fails the comparison too
+        if not (isinstance(self.grammar_seconds, (int, float)) and not isinstance(self.grammar_seconds, bool)
+                and 0 < self.grammar_seconds <= 3600):
+            raise ConfigError(f"--grammar-seconds must be a number of seconds in (0, 3600], got "
+                              f"{self.grammar_seconds!r}")  # NaN fails the comparison too
+        if (not isinstance(self.grammar_memory_mb, int) or isinstance(self.grammar_memory_mb, bool)
+                or not 16 <= self.grammar_memory_mb <= 1 << 20):
+            raise ConfigError(f"--grammar-memory-mb must be an integer number of MB in [16, 1048576], got "
+                              f"{self.grammar_memory_mb!r}")
         self.host_policy = HostPolicy.create(self.host, self.allowed_hosts)  # a ConfigError for a bad entry
         self.cors_origins = check_cors_origins(self.cors_origins)
         if self.api_key is not None:

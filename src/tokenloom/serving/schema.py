@@ -7,7 +7,8 @@ cannot state refuses it (prompts x n over the limit, a prompt longer than the co
 below the smallest float32, a ``response_format`` that does not compile or that the tokenizer cannot spell), and a
 body the schema refuses gets a 4xx.
 The cross-field rules are stated with ``if``/``then``: ``max_tokens`` 0 needs ``echo`` true (completions),
-``top_logprobs`` needs ``logprobs`` true (chat).
+``top_logprobs`` needs ``logprobs`` true (chat). The OpenAI fields the server accepts and ignores, or refuses
+unless they hold the value that means "not used", come from the table in :mod:`tokenloom.serving.fields`.
 
 For a character tokenizer the text fields name the vocabulary as a ``pattern`` and the context as
 ``maxLength`` (one token per character); other tokenizers accept any text.
@@ -20,6 +21,7 @@ from typing import Any
 
 from ..generation.config import LOGIT_BIAS_LIMIT, PENALTY_LIMIT, SEED_LIMIT
 from .checks import MAX_LOGIT_BIAS
+from .fields import CHAT, COMPLETIONS, schema_properties
 from .logprobs import MAX_LOGPROBS
 
 FINISH_REASONS = ["stop", "length"]
@@ -66,7 +68,8 @@ _ERRORS = {
     "415": "a body not sent as application/json",
     "429": "the queue is full (--max-queue)",
     "500": "an unexpected failure (one line, no traceback)",
-    "503": "the engine has stopped, or over --limit-concurrency",
+    "503": "the engine has stopped, or over --limit-concurrency (running requests) or --limit-connections (open "
+           "connections, none idle)",
     "504": "the request ran past --request-timeout",
 }
 
@@ -208,6 +211,7 @@ def completions_operation(config, tokenizer, context: int, vocab: int) -> dict[s
         "prompt": {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": config.max_prompts},
                              ids, {"type": "array", "items": ids, "minItems": 1, "maxItems": config.max_prompts}],
                    "description": "a prompt or a list of them, as text or as token ids"},
+        **schema_properties(COMPLETIONS),  # OpenAI's fields accepted and ignored, or refused (tokenloom.serving.fields)
         **properties,
         "logprobs": _nullable({"type": "integer", "minimum": 0, "maximum": MAX_LOGPROBS,
                                "description": "the log-probability of each token and of its k likeliest "
@@ -234,6 +238,7 @@ def chat_operation(config, tokenizer, vocab: int) -> dict[str, Any]:  # noqa: AN
         "messages": {"type": "array", "items": message, "minItems": 1,
                      "description": "the contents are joined, each followed by a newline (no chat template); "
                                     "together they must fit the context"},
+        **schema_properties(CHAT),  # OpenAI's fields accepted and ignored, or refused (tokenloom.serving.fields)
         **generation_properties(config, vocab),
         "logprobs": _nullable({"type": "boolean", "description": "the log-probability of each token (of the "
                                                                  "model's logits, before the sampling settings)"}),
@@ -258,17 +263,25 @@ def chat_operation(config, tokenizer, vocab: int) -> dict[str, Any]:  # noqa: AN
                                          **_errors("400", "401", "404", "413", "415", "429", "500", "504")}}
 
 
-def translations_operation(config, tokenizer, max_inputs: int, max_beam: int) -> dict[str, Any]:  # noqa: ANN001
+def translations_operation(config, tokenizer, max_inputs: int, max_beam: int,  # noqa: ANN001
+                           max_source_len: int) -> dict[str, Any]:
     text = text_schema(tokenizer)
     body = {"type": "object", "required": ["input"], "properties": {
         "model": {"enum": [config.model_name, None]},
         "input": {"anyOf": [text, {"type": "array", "items": text, "minItems": 1, "maxItems": max_inputs}],
-                  "description": "a sentence or a list of them (each cut to the model's context)"},
+                  "description": f"a sentence or a list of them, each at most the model's source limit of "
+                                 f"{max_source_len} tokens (its end-of-sentence token included): a longer one is a "
+                                 "400 (context_length_exceeded) naming its index, unless truncate"},
         "beam": _nullable({"type": "integer", "minimum": 1, "maximum": max_beam,
-                           "description": "beam width (ignored by NAT models)"})}}
+                           "description": "beam width (ignored by NAT models)"}),
+        "truncate": _nullable({"type": "boolean", "description": "translate an input over the source limit cut to "
+                                                                 "it (its translation says truncated) instead of "
+                                                                 "refusing it (default false)"})}}
     reply = {"type": "object", "required": ["object", "model", "data"], "properties": {
         "object": {"const": "list"}, "model": {"type": "string"},
-        "data": _choice_list({"index": {"type": "integer", "minimum": 0}, "translation": {"type": "string"}})}}
+        "data": _choice_list({"index": {"type": "integer", "minimum": 0}, "translation": {"type": "string"},
+                              "truncated": {"type": "boolean", "description": "the input was cut to the source "
+                                                                              "limit (truncate: true)"}})}}
     return {**_body(body), "responses": {**_reply(reply),
                                          **_errors("400", "401", "404", "413", "415", "500")}}
 
@@ -353,8 +366,8 @@ def get_responses(kind: str) -> dict[str, Any]:
             "active": {"type": "integer", "minimum": 0}, "queued": {"type": "integer", "minimum": 0},
             "error": {"type": "string"}}}
         return {"200": {"description": "serving", "content": {"application/json": {"schema": ok}}},
-                "503": {"description": "the engine has stopped (status: error), or over --limit-concurrency (an "
-                                       "error object)",
+                "503": {"description": "the engine has stopped (status: error), or over --limit-concurrency or "
+                                       "--limit-connections (an error object)",
                         "content": {"application/json": {"schema": {"anyOf": [ok, ERROR]}}}}}
     if kind == "models":
         model = {"type": "object", "required": ["id", "object", "created", "owned_by"], "properties": {

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse
 from ..errors import ConfigError
 from ..generation.choose import vocabulary_limit
 from ..generation.drafting import PromptLookup
+from ..grammar.worker import GrammarWorkers
 from ..models.registry import decoding_of
 from .checks import APIError
 from .config import ServeConfig
@@ -43,6 +44,8 @@ class ServerState:
     chat_template: Any = None  # the checkpoint's recorded chat template (tokenloom.data.chat.ChatTemplate), which
     #   /v1/chat/completions renders messages with; None: the messages' contents joined by newlines
     rag: Any = None  # serve --rag: the routes.rag.RagService behind POST /v1/rag, None without it
+    grammars: GrammarWorkers | None = None  # the worker processes response_format grammars compile in (none started
+    #   until a grammar misses the cache), None for a translation model
 
     @classmethod
     def create(cls, model, tokenizer, config: ServeConfig, draft=None) -> ServerState:  # noqa: ANN001 - a model
@@ -63,6 +66,7 @@ class ServerState:
                                   on_draft=state.metrics.on_draft, block_size=config.block_size,
                                   kv_blocks=config.kv_blocks, prefix_caching=config.prefix_caching,
                                   prefill_tokens=config.prefill_tokens)
+            state.grammars = GrammarWorkers(config.grammar_seconds, config.grammar_memory_mb)
         state.api_key = check_api_key(config.api_key) if config.api_key is not None else None
         if state.is_lm and getattr(tokenizer, "chat_template", None):  # loaded once; a bad one fails at start
             from ..data.chat import template_for_tokenizer
@@ -82,6 +86,8 @@ class ServerState:
         yield
         if self.engine is not None:
             self.engine.stop()
+        if self.grammars is not None:
+            self.grammars.close()
 
     def error_response(self, status: int, message: str, code: str) -> JSONResponse:
         """An error reply written outside a route (the middleware), counted like the ones routes raise."""

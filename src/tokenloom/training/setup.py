@@ -17,7 +17,7 @@ from ..checkpoint import (
     refuse_quantized,
     resolve_checkpoint,
 )
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ChecksumError, ConfigError
 from ..nn.lora import is_adapter
 from ..tasks import TASKS
 from .config import RunConfig
@@ -98,7 +98,7 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
             load_weights(model, checkpoint, fresh=None if resume else (
                 lambda name: (".backend." in name and not t.lora.enabled) or name.startswith(task_cls.fresh_weights)))
         except CheckpointError as err:
-            if resume:
+            if resume or isinstance(err, ChecksumError):  # (a damaged file: no advice about the model section)
                 raise
             raise ConfigError(f"train.init_from={t.init_from}: {err} (the recipe's model section may only change "
                               f"settings that keep the weights, e.g. dropout, attention)") from None

@@ -31,12 +31,12 @@ from ..checks import (
     token_ids,
 )
 from ..engine import QueueFull, Request
+from ..fields import check_fields
 from ..logprobs import Choice
 from ..state import ServerState, server_state
 
 RESPONSE_FORMATS = ("text", "json_object", "json_schema", "regex", "choice")  # the last two: tokenloom's own
 MAX_REGEX, MAX_SCHEMA_BYTES, MAX_CHOICES = 512, 16384, 64  # a constraint's size (compiling is paid up front)
-MAX_COMPILE_SECONDS = 10.0  # a request waits this long for its grammar to compile, then gets a 400
 
 
 def add_routes(router: APIRouter, state: ServerState) -> None:
@@ -55,11 +55,12 @@ def add_routes(router: APIRouter, state: ServerState) -> None:
 
 async def lm_request(request: HTTPRequest, route: str) -> tuple[ServerState, dict]:
     """The server's state and the request's JSON body, for a route that needs a language model (400 otherwise),
-    the body's ``model`` checked."""
+    the body's ``model`` checked and its fields against the route's column of :data:`~..fields.FIELDS`."""
     state = server_state(request)
     require_lm(state, route)
     body = await read_json(request, state.config.max_body_bytes)
     check_model(body, state.config)
+    check_fields(body, route)  # a field that would change the result and is not implemented: 400
     return state, body
 
 
@@ -129,8 +130,10 @@ async def constraint_of(body: dict, state: ServerState):  # noqa: ANN201 - a fun
     function making a fresh :class:`~tokenloom.generation.constraints.Constraint` (one per engine request: it is
     stateful). ``{"type": "json_object"}``, ``{"type": "json_schema", "json_schema": {"schema": {...}}}`` (OpenAI's),
     and tokenloom's ``{"type": "regex", "regex": "..."}`` and ``{"type": "choice", "choice": ["...", ...]}``. The
-    spec is compiled here, off the event loop (a JSON object grammar over a large vocabulary takes seconds the first
-    time, then comes from a cache); one that does not compile, or that the tokenizer cannot spell, is a 400."""
+    spec is compiled here, in a worker process (:class:`~tokenloom.grammar.worker.GrammarWorkers`: a JSON object
+    grammar over a large vocabulary takes seconds the first time, then comes from a cache); one that does not
+    compile, that the tokenizer cannot spell, or that takes over the server's ``grammar_seconds`` or
+    ``grammar_memory_mb`` to compile (its worker is killed) is a 400."""
     response_format = field(body, "response_format", (dict,), None)
     if response_format is None:
         return None
@@ -142,26 +145,26 @@ async def constraint_of(body: dict, state: ServerState):  # noqa: ANN201 - a fun
         return None
     spec = _constraint_spec(kind, response_format)
     try:
-        from ...generation.constraints import ConstraintError, build_constraint
+        from ...generation.constraints import ConstraintError, grammar_job
+        from ...grammar.worker import CompilerBusy, CompileRefused
     except ImportError:  # pragma: no cover - outlines-core is part of the serve extra
         raise APIError(400, "structured output needs outlines-core (pip install 'tokenloom[serve]')",
                        param="response_format", code="unsupported_value") from None
     tokenizer, vocab = state.tokenizer, state.model.config.vocab_size
     eos = getattr(tokenizer, "eos_id", None)
-
-    def make():  # noqa: ANN202 - a Constraint
-        return build_constraint(tokenizer, vocab, eos_id=eos, **spec)
-
-    compiling = asyncio.get_running_loop().run_in_executor(None, make)  # compiled (and cached) once, here
-    try:
-        await asyncio.wait_for(asyncio.shield(compiling), MAX_COMPILE_SECONDS)
+    try:  # checked, and the tokenizer's vocabulary read (once, then cached), off the event loop; nothing compiles
+        job = await asyncio.get_running_loop().run_in_executor(
+            None, partial(grammar_job, tokenizer, vocab, eos_id=eos, **spec))
+        compiled = job.cached()
+        if compiled is None:  # compiled (and cached) once, in a worker process killed past the server's limits
+            compiled = job.store(await state.grammars.compile(job.vocabulary, job.kind, job.spec, job.what))
+    except CompileRefused as err:  # over the time or memory limit: the worker is gone, nothing left running
+        raise APIError(400, f"'response_format' {err}", param="response_format", code="invalid_value") from None
     except ConstraintError as err:
         raise APIError(400, f"'response_format': {err}", param="response_format", code="invalid_value") from None
-    except asyncio.TimeoutError:  # (the compile goes on in its thread and is cached when it ends: no way to stop it)
-        raise APIError(400, f"'response_format' took over {MAX_COMPILE_SECONDS:g} s to compile (a grammar whose "
-                            "automaton explodes, e.g. (a|b)*a(a|b){20}); simplify it", param="response_format",
-                       code="invalid_value") from None
-    return make
+    except CompilerBusy as err:
+        raise APIError(429, f"'response_format': {err}", type_="rate_limit_error", code="compiler_busy") from None
+    return partial(job.constraint, compiled)
 
 
 def _constraint_spec(kind: str, response_format: dict) -> dict:

@@ -16,7 +16,7 @@ from fastapi import Request as HTTPRequest
 from ...errors import TokenloomError
 from ...models.registry import decoding_of
 from .. import schema as api_schema
-from ..checks import APIError, check_model, field, read_json
+from ..checks import APIError, check_model, encode_text, field, read_json
 from ..state import ServerState, server_state
 
 MAX_INPUTS, MAX_BEAM = 256, 8  # sentences per translation request, beam width
@@ -93,7 +93,7 @@ def add_routes(router: APIRouter, state: ServerState) -> None:
     unsupported_model)."""
     router.add_api_route("/v1/translations", translations, methods=["POST"], include_in_schema=not state.is_lm,
                          openapi_extra=api_schema.translations_operation(state.config, state.tokenizer, MAX_INPUTS,
-                                                                         MAX_BEAM))
+                                                                         MAX_BEAM, source_limit(state)))
 
 
 async def translations(request: HTTPRequest):
@@ -112,6 +112,7 @@ async def translations(request: HTTPRequest):
     beam = field(body, "beam", (int,), 1)
     if not 1 <= beam <= MAX_BEAM:
         raise APIError(400, f"'beam' must be in [1, {MAX_BEAM}], got {beam}", param="beam", code="invalid_value")
+    cut = over_the_limit(state, sources, isinstance(given, str), field(body, "truncate", (bool,), False))
     options = {} if decoding_of(model) == "parallel" else {"beam": beam}
     from ...tasks.translation import translate
 
@@ -126,7 +127,32 @@ async def translations(request: HTTPRequest):
     state.metrics.count_request("translations")
     state.metrics.observe_latency(time.monotonic() - started)
     return {"object": "list", "model": config.model_name,
-            "data": [{"index": i, "translation": t} for i, t in enumerate(out)]}
+            "data": [{"index": i, "translation": t, "truncated": i in cut} for i, t in enumerate(out)]}
+
+
+def source_limit(state: ServerState) -> int:
+    """The model's source limit in tokens (its end-of-sentence token included); 0 for a language model (which has
+    none: the route answers 400 unsupported_model)."""
+    return 0 if state.is_lm else state.model.config.max_source_len
+
+
+def over_the_limit(state: ServerState, sources: list[str], one: bool, truncate: bool) -> set[int]:
+    """The indices of the sources longer than the model's source limit (in tokens, with the end-of-sentence token
+    :func:`~tokenloom.tasks.translation.encode_sources` adds), which are translated truncated when the request
+    asks ``truncate``; without it the first one is a 400 naming its index, its length and the limit."""
+    limit = source_limit(state)
+    cut = set()
+    for i, text in enumerate(sources):
+        where = "'input'" if one else f"'input'[{i}]"
+        length = len(encode_text(state.tokenizer, text, "input", allow_empty=True)) + 1
+        if length <= limit:
+            continue
+        if not truncate:
+            raise APIError(400, f"{where} is {length} tokens (with its end-of-sentence token), over the model's "
+                                f"source limit of {limit} tokens: split it, or send \"truncate\": true to translate "
+                                f"its first {limit - 1} tokens", param="input", code="context_length_exceeded")
+        cut.add(i)
+    return cut
 
 
 def _translate(translate, model, tokenizer, sources, options):
