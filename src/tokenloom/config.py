@@ -269,7 +269,7 @@ class _BoundedLoader(yaml.SafeLoader):
         node = super().compose_document()
         if _expanded_size(node, MAX_YAML_NODES) > MAX_YAML_NODES:
             raise _TooLarge(f"it expands to more than {MAX_YAML_NODES} values once its aliases are expanded "
-                            "(an alias bomb?)")
+                            "(an alias bomb, or an alias inside its own anchor)")
         return node
 
 
@@ -279,8 +279,10 @@ class _TooLarge(ValueError):
 
 def _expanded_size(root: yaml.Node, cap: int) -> int:
     """Nodes under ``root`` with aliases expanded (shared nodes counted at every use), computed once per distinct
-    node (so in time linear in the composed graph) and saturating just past ``cap``."""
+    node (so in time linear in the composed graph) and saturating just past ``cap``; a node that holds an alias of
+    itself (``a: &x [*x]``) expands without end: past ``cap`` too."""
     sizes: dict[int, int] = {}
+    open_: set[int] = set()  # nodes whose children are being counted: meeting one again is a cycle
     stack: list[tuple[yaml.Node, bool]] = [(root, False)]
     while stack:
         node, children_done = stack.pop()
@@ -293,8 +295,12 @@ def _expanded_size(root: yaml.Node, cap: int) -> int:
         else:
             children = []
         if children_done or not children:
+            open_.discard(id(node))
             sizes[id(node)] = min(cap + 1, 1 + sum(sizes.get(id(c), 0) for c in children))
         else:
+            if any(id(c) in open_ or c is node for c in children):
+                return cap + 1
+            open_.add(id(node))
             stack.append((node, True))
             stack.extend((c, False) for c in children if id(c) not in sizes)
     return sizes[id(root)]

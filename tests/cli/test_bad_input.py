@@ -369,6 +369,9 @@ def test_yaml_bounds_leave_ordinary_aliases_alone(tmp_path):
     with pytest.raises(ValueError, match="expands to more than"):
         safe_load(_alias_bomb(levels=1, width=width))
     safe_load(_alias_bomb(levels=1, width=width - 2))  # just under: loads
+    for recursive in ("a: &x [*x]", "a: &x {b: [1, *x]}"):  # an alias inside its own anchor expands without end
+        with pytest.raises(ValueError, match="its own anchor"):
+            safe_load(recursive)
 
 
 def test_a_huge_yaml_file_is_refused_before_reading(tmp_path, monkeypatch):
