@@ -12,7 +12,7 @@ $(VENV)/.installed: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev,parity,viz,serve,serve-test,docs,rag]'
+	$(PY) -m pip install -q -e '.[dev,parity,viz,serve,serve-test,docs,rag,hf,tensorboard]'
 	touch $@
 
 demo: install

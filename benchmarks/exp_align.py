@@ -109,9 +109,13 @@ def measure(checkpoint: Path, questions: list[dict], args: argparse.Namespace,
 
         details: dict = {}
         kl_prompts = prompts[:args.kl_prompts]
+        # (k1, the summed log-ratio: the estimator of the figures in docs/alignment.md; the k3 sum, GRPO's val_kl,
+        # is recorded beside it)
         row["kl"] = policy_kl(model.model, reference.model, model.tokenizer, kl_prompts, model.template,
-                              samples_per_prompt=args.kl_samples, max_new_tokens=32, seed=args.seed, details=details)
+                              samples_per_prompt=args.kl_samples, max_new_tokens=32, seed=args.seed, estimator="k1",
+                              details=details)
         row["kl_std_error"] = details["kl_std"] / max(1, details["samples"]) ** 0.5
+        row["kl_k3"] = details["kl_k3"]
     row["eval_seconds"] = time.perf_counter() - start
     return row
 

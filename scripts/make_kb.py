@@ -1,4 +1,4 @@
-"""Write the synthetic knowledge base of the issue-32 demonstrations (deterministic, seeded) into ``data/kb/``.
+"""Write the synthetic knowledge base of the RAG and alignment demonstrations (deterministic, seeded) into ``data/kb/``.
 
 2,000 invented people, each with three attributes whose values cannot be guessed from the name (drawn
 independently of it): a home town (one of 60 invented towns), an occupation (one of 40) and a birth year

@@ -51,7 +51,10 @@ def venv(tmp_path_factory) -> tuple[Path, Path]:
     shutil.copytree(ROOT / "src" / "tokenloom", tree / "src" / "tokenloom", symlinks=True,  # recipes: the link
                     ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
     dist = work / "dist"
-    _ok(_run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(tree)], cwd=work))
+    built = _ok(_run([sys.executable, "-m", "build", "--no-isolation", "--outdir", str(dist), str(tree)], cwd=work))
+    said = (built.stdout + built.stderr).lower()
+    assert "deprecat" not in said, "the build warns (pyproject.toml):\n" + "\n".join(
+        line for line in (built.stdout + built.stderr).splitlines() if "deprecat" in line.lower())
     wheel, = dist.glob("tokenloom-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
     assert "tokenloom/recipes/shakespeare-char.yaml" in names and "tokenloom/cli/main.py" in names

@@ -55,6 +55,9 @@ def resolve_checkpoint(path: str | Path) -> Path:
     for candidate in (path, path / "checkpoint", path / "checkpoint.old"):
         if (candidate / CONFIG_FILE).is_file():
             return candidate
+    if (path / "config.json").is_file():  # train.init_from, generate, ... of a Hugging Face model: say how
+        raise CheckpointError(f"{path} is a Hugging Face model directory, not a tokenloom checkpoint (no "
+                              f"{CONFIG_FILE}): convert it first with `tokenloom import hf {path} --out DIR`")
     raise CheckpointError(f"{path} is not a checkpoint directory (no {CONFIG_FILE} in it or in "
                           f"{path / 'checkpoint'})")
 
@@ -357,6 +360,7 @@ def load_tokenizer(path: str | Path):
         if value is not None and not isinstance(value, str):
             raise CheckpointError(f"{ckpt / CONFIG_FILE}: tokenizer.{key} must be a string or null, got {value!r}")
         setattr(tokenizer, key, value)
+    tokenizer.origin = str(ckpt)  # named by encoding errors: "the tokenizer of runs/x/checkpoint knows ..."
     return tokenizer
 
 

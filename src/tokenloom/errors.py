@@ -82,6 +82,11 @@ class TokenizerError(TokenloomError):
     """Text cannot be encoded (characters outside the vocabulary) or ids cannot be decoded."""
 
 
+class VocabularyError(TokenizerError, DataError):
+    """Text holds characters the tokenizer's vocabulary lacks: a tokenizer error, and a data error when the text came
+    from a file (the readers prefix ``path:line``; a fine-tuning run adds the setting that fixed the tokenizer)."""
+
+
 class GenerationError(TokenloomError, ValueError):
     """A generation request cannot be served (prompt too long, bad ids, bad settings)."""
 

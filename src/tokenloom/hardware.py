@@ -166,6 +166,41 @@ def bf16_matmul_speedup(size: int = 512, repeats: int = 5) -> float:
     return fp32 / bf16
 
 
+def matmul_peak(dtype: torch.dtype, size: int = 2048, repeats: int = 5,
+                device: torch.device | str | None = None) -> float:
+    """FLOP/s of the best of ``repeats`` (size x size) @ (size x size) products in ``dtype`` on ``device`` (default
+    the CPU; after one warm-up; an accelerator synchronised before each clock reading, larger products there).
+    The matrices come from a private generator: the global random stream (a training run's) stays as it was."""
+    from .devices import synchronize
+
+    device = torch.device(device or "cpu")
+    if device.type != "cpu":
+        size *= 4  # a GPU needs large products to reach its peak
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randn(size, size, generator=gen).to(device=device, dtype=dtype) for _ in range(2))
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        synchronize(device)
+        start = time.perf_counter()
+        a @ b
+        synchronize(device)
+        best = min(best, time.perf_counter() - start)
+    return 2 * size ** 3 / best
+
+
+def remembered_matmul_peak(dtype: torch.dtype, device: torch.device | str | None = None,
+                           at_least: float | None = None) -> float:
+    """:func:`matmul_peak` of ``dtype`` on ``device`` (the roofline ``tokenloom bench roofline`` measures), measured
+    once on this machine and then :func:`remembered`: the denominator of a training run's MFU. ``at_least`` (FLOP/s a
+    run reached): a remembered peak below it was measured while the machine was busy; it is measured again."""
+    device = torch.device(device or "cpu")
+    where = f" on {torch.cuda.get_device_name(device)}" if device.type == "cuda" else \
+        f" on {device.type}" if device.type != "cpu" else ""
+    return remembered(f"matmul peak {str(dtype).removeprefix('torch.')}{where}",
+                      lambda: matmul_peak(dtype, device=device), at_least)[0]
+
+
 def bf16_support(m: Machine | None = None, measure: Callable[[], float] | None = None) -> Bf16Support:
     """Whether bf16 matrix products run natively here, by the CPU's flags and oneDNN's ISA cap; measured
     (``measure``, default :func:`bf16_matmul_speedup`) where the flags do not settle it."""
@@ -290,11 +325,12 @@ def cache_dir() -> Path:
     return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "tokenloom"
 
 
-def remembered(name: str, measure: Callable[[], float]) -> tuple[float, bool]:
+def remembered(name: str, measure: Callable[[], float], at_least: float | None = None) -> tuple[float, bool]:
     """(``measure()``, False) the first time on this machine, kernel settings and torch version; (the value
     measured then, True) afterwards, from ``cache_dir() / "measurements.json"``. A choice made from a measurement
     thus stays the same from run to run (a busy moment does not flip it); delete the file to measure again. An
-    unreadable or unwritable cache only means measuring each time."""
+    unreadable or unwritable cache only means measuring each time. ``at_least``: for a peak, a value the machine was
+    seen to reach; a remembered one below it (measured in a busy moment) is measured again and the larger kept."""
     m = machine()
     key = f"{name} | {m.cpu} | {m.features} | {m.threads} threads | {m.kernel_settings or 'default kernels'} | " \
           f"torch {m.torch}"
@@ -305,10 +341,11 @@ def remembered(name: str, measure: Callable[[], float]) -> tuple[float, bool]:
             known = {}
     except (OSError, ValueError):
         known = {}
-    value = known.get(key)
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value), True
-    value = measure()
+    old = known.get(key)
+    old = float(old) if isinstance(old, (int, float)) and not isinstance(old, bool) and old > 0 else None
+    if old is not None and (at_least is None or old >= at_least):
+        return old, True
+    value = measure() if old is None else max(old, measure())
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")

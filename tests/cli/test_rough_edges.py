@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 MT = ROOT / "checkpoints" / "multi30k-de-en"
 LM = ROOT / "checkpoints" / "shakespeare-char"
 SENTENCES = ["Zwei Hunde spielen im Schnee.", "Ein Mann fährt Fahrrad."]
-SUMMARY = r"^{verb} {count} {unit}s? in \d+\.\d s( \([\d,]+/s\))?$"
+SUMMARY = r"^{verb} {count} {unit}s? in \d+\.\d s( \([\d,]+(\.\d+)?/s\))?$"
 
 
 def summary_lines(err: str, verb: str, count: int | str, unit: str) -> list[str]:
@@ -35,6 +35,8 @@ def test_summary_line_format():
 
     assert summary("translated", 1014, "sentence", 12.34) == "translated 1,014 sentences in 12.3 s (82/s)"
     assert summary("classified", 1, "image", 0.0) == "classified 1 image in 0.0 s"
+    assert summary("translated", 20, "sentence", 13.4) == "translated 20 sentences in 13.4 s (1.5/s)"
+    assert summary("translated", 3, "sentence", 12.0) == "translated 3 sentences in 12.0 s (0.25/s)"
 
 
 def test_translate_on_a_pipe_prints_one_summary_line_and_leaves_stdout_alone(tmp_path, capsys):

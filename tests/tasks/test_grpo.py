@@ -336,3 +336,30 @@ def test_bad_prompt_files(tmp_path):
         setup_run(grpo_recipe(tmp_path, {"path": str(long), "val_fraction": 0.5}), tmp_path / "run",
                   show_progress=False)
 
+
+
+def test_policy_kl_k3_is_never_negative_where_k1_can_be(tmp_path):
+    """Two close models, one sample per prompt: the k1 estimate (the summed log-ratio) comes out below 0 for some
+    seeds -- a negative "KL" -- while the k3 estimate (the default, GRPO's val_kl) is >= 0 for every seed, and both
+    are reported in ``details``."""
+    text = "System: User: Assistant: \nabcdefgh"
+    policy = _tiny_lm_checkpoint(tmp_path / "a", text).eval()
+    tokenizer = Tokenizer.train_char(text)
+    reference = copy.deepcopy(policy)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(0.02 * torch.randn_like(p))
+    template = DefaultChatTemplate(tokenizer)
+    k1, k3 = [], []
+    for seed in range(12):
+        details = {}
+        k3.append(policy_kl(policy, reference, tokenizer, ["abc"], template, 1, max_new_tokens=4, seed=seed,
+                            details=details))
+        assert details["kl_k3"] == pytest.approx(k3[-1]) and details["samples"] == 1
+        k1.append(policy_kl(policy, reference, tokenizer, ["abc"], template, 1, max_new_tokens=4, seed=seed,
+                            estimator="k1"))
+        assert details["kl_k1"] == pytest.approx(k1[-1])
+    assert min(k3) >= 0 and min(k1) < 0, (k1, k3)
+    with pytest.raises(ValueError, match="estimator must be one of k3, k1"):
+        policy_kl(policy, reference, tokenizer, ["abc"], template, 1, estimator="k2")

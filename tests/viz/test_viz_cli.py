@@ -201,3 +201,21 @@ def test_the_reports_summary_names_the_validation_figures_by_the_part_of_the_spl
     loaded = SimpleNamespace(model=torch.nn.Linear(2, 2), config={"task": "lm"}, family="gpt")
     body = summary(loaded, tmp_path).body
     assert "val_loss[20 of 28 batches] (step 10)" in body and "val_ppl[20 of 28 batches] (step 10)" in body
+
+
+def test_the_reports_summary_gives_the_final_step_where_validation_ran(tmp_path):
+    """Training lines come every log_every steps, validation at the last step: a run of 574 steps logged its last
+    loss at 570, and the summary's steps is 574 (as its validation rows say), the loss row naming its own step."""
+    import json
+    from types import SimpleNamespace
+
+    import torch
+
+    from tokenloom.cli.report import summary
+
+    records = [{"step": 560, "loss": 2.1}, {"step": 570, "loss": 2.0}, {"step": 574, "val_loss": 1.9}]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    loaded = SimpleNamespace(model=torch.nn.Linear(2, 2), config={"task": "lm"}, family="gpt")
+    body = summary(loaded, tmp_path).body
+    assert 'steps</td><td class="text">574</td>' in body, body
+    assert "last training loss (step 570)" in body and "val_loss (step 574)" in body

@@ -152,8 +152,9 @@ def variants(dtype: str, compiled: bool) -> list[tuple[str, bool, str, bool]]:
 def flops_per_token(model: GPT) -> float:
     """Training FLOPs per token (forward + backward): 6 N for the matrix products of N parameters plus
     12 L C T for attention's scores and weighted sums (Chowdhery et al. 2022, appendix B)."""
-    c = model.config
-    return 6 * sum(p.numel() for p in model.parameters()) + 12 * c.num_layers * c.embed_dim * c.max_seq_len
+    from ..models.sizes import training_flops_per_token
+
+    return training_flops_per_token(model.config, sum(p.numel() for p in model.parameters()))
 
 
 def bench_shape(shape: str, warmup: int, timed: int, repeats: int, seed: int, dtype: str = "all",
@@ -331,7 +332,7 @@ def main(argv: list[str] | None = None) -> None:
         for shape in shapes:
             if shape not in SHAPES:
                 parser.error(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
-        from ..cli.bench import matmul_peak
+        from ..hardware import matmul_peak
 
         peaks = {"fp32": matmul_peak(torch.float32, device=device), "bf16": matmul_peak(torch.bfloat16, device=device)}
         print(f"matmul peak measured now: fp32 {peaks['fp32'] / 1e9:,.0f} GFLOP/s, bf16 {peaks['bf16'] / 1e9:,.0f} "

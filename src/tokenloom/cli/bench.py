@@ -291,30 +291,6 @@ def _plot(rows: list[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def matmul_peak(dtype, size: int = 2048, repeats: int = 5, device=None) -> float:
-    """FLOP/s of the best of ``repeats`` (size x size) @ (size x size) products in ``dtype`` on ``device`` (default
-    the CPU; after one warm-up; an accelerator synchronised before each clock reading, larger products there)."""
-    import time
-
-    import torch
-
-    from ..devices import synchronize
-
-    device = torch.device(device or "cpu")
-    if device.type != "cpu":
-        size *= 4  # a GPU needs large products to reach its peak
-    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
-    a @ b
-    best = float("inf")
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        a @ b
-        synchronize(device)
-        best = min(best, time.perf_counter() - start)
-    return 2 * size ** 3 / best
-
-
 def memory_bandwidth(gib: float = 1.0, repeats: int = 10) -> tuple[float, float]:
     """(read, copy) bandwidth in bytes/s: the best of ``repeats`` ``x.sum()`` (reads ``gib`` GiB) and
     ``y.copy_(x)`` (reads and writes it) over float32 tensors."""
@@ -341,7 +317,7 @@ def bench_roofline(args: argparse.Namespace) -> int:
     """The machine's limits, measured now: matrix-product peak in float32 and bfloat16, memory bandwidth."""
     import torch
 
-    from ..hardware import machine
+    from ..hardware import machine, matmul_peak
 
     if args.size < 64:
         raise ConfigError(f"--size must be >= 64, got {args.size}")

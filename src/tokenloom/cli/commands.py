@@ -21,7 +21,7 @@ from ..errors import CheckpointError, ConfigError, DataError, GenerationError, T
 from ..generation.config import offset_seed
 from ..models.registry import decoding_of
 from .loading import load_inference_model, translation_model
-from .progress import print_result, progress
+from .progress import print_result, print_speed, progress
 
 
 def train(args: argparse.Namespace) -> int:
@@ -107,11 +107,12 @@ def train(args: argparse.Namespace) -> int:
             raise TrainingError(f"process {where.rank}: lost contact with the other training processes "
                                 f"({str(err).splitlines()[0][-160:]})") from None
     from ..metric_scope import scoped_name
+    from ..tasks import TASKS
 
     # only the figures this run has (a Ctrl-C before the first step or evaluation has none to print, not nan); the
     # validation ones named by the part of the split they cover (val_loss[20 of 28 batches], val_loss[whole split])
     figures = [f"{scoped_name(name, summary)} {summary[name]:.{digits}f}"
-               for name, digits in (("train_loss", 4), ("val_loss", 4), ("val_acc", 2))
+               for name, digits in (("train_loss", 4), *TASKS.get(config.task).summary_metrics)
                if isinstance(summary.get(name), float | int) and math.isfinite(summary[name])]
     memory = f", peak {summary['peak_memory_mb']:,.0f} MB on {summary['device']}" if "peak_memory_mb" in summary else ""
     say(f"step {summary['step']}: " + "".join(f + "  " for f in figures)
@@ -119,8 +120,9 @@ def train(args: argparse.Namespace) -> int:
     say(f"checkpoint: {trainer.checkpoint_dir}")
     if args.sample and where.is_main:
         model = (trainer.model if not where.active else load_model(trainer.checkpoint_dir)).eval()
-        _stream_text(model, trainer.tokenizer, "\n", _gen_config(max_new_tokens=args.sample, temperature=0.8,
-                                                                  top_k=40, seed=t.seed))
+        sample = _stream_text(model, trainer.tokenizer, "\n", _gen_config(max_new_tokens=args.sample,
+                                                                           temperature=0.8, top_k=40, seed=t.seed))
+        trainer.log_text("sample", sample)  # train.log_to tensorboard: the sample beside the curves
     return 0
 
 
@@ -180,7 +182,7 @@ def _continuation(tokenizer, prompt: list[int], new: list[int]) -> str:
     return whole[len(head):] if whole.startswith(head) else tokenizer.decode(new)
 
 
-def _stream_text(model, tokenizer, prompt: str, config, **decoding) -> str:
+def _stream_text(model, tokenizer, prompt: str, config, speed=None, **decoding) -> str:  # noqa: ANN001
     """Print ``prompt`` and its continuation as the tokens arrive; returns the continuation.
 
     Past the context: a model with an ``attention_window`` (a rolling cache) or a Transformer-XL ``memory_len``
@@ -188,7 +190,9 @@ def _stream_text(model, tokenizer, prompt: str, config, **decoding) -> str:
     plus ``max_new_tokens`` exceeds its context; once the context is full, the last half of it becomes the
     prompt of the next chunk (its cache is rebuilt), so earlier text falls out of view. A stop string that
     straddles two chunks is not seen. ``decoding`` goes to :func:`~tokenloom.generation.stream` (``exit_heads``,
-    ``exit_tally``).
+    ``exit_tally``). ``speed`` (a :class:`~tokenloom.speed.Speed`, its counts at 0) gets this run added: the prompt's
+    tokens, the time to the first new token, the new tokens and the time from the first prompt token in to the last
+    new token out (the chunks' prefills after the first count as decoding time).
     """
     from dataclasses import replace
 
@@ -208,6 +212,7 @@ def _stream_text(model, tokenizer, prompt: str, config, **decoding) -> str:
     new: list[int] = []
     shown = ""
     remaining, window, chunk = config.max_new_tokens, ids, 0
+    start, first = time.perf_counter(), None
     while remaining > 0:
         steps = remaining if unbounded else min(remaining, context - len(window))
         seed = offset_seed(config.seed, chunk)
@@ -216,6 +221,8 @@ def _stream_text(model, tokenizer, prompt: str, config, **decoding) -> str:
                             replace(config, max_new_tokens=steps, seed=seed),
                             tokenizer=tokenizer, **decoding):
             new.append(int(token[0]))
+            if first is None:
+                first = time.perf_counter()
             produced += 1
             text = _continuation(tokenizer, ids, new)
             if text.endswith("\ufffd"):  # half of a multi-byte character: wait for the rest
@@ -228,6 +235,13 @@ def _stream_text(model, tokenizer, prompt: str, config, **decoding) -> str:
             break
         window = (ids + new)[-(context // 2):]
         chunk += 1
+    if speed is not None:
+        end = time.perf_counter()
+        speed.prompt_tokens += len(ids)
+        speed.prompts += first is not None
+        speed.first_token_seconds += (first if first is not None else end) - start
+        speed.new_tokens += len(new)
+        speed.seconds += end - start
     text = _continuation(tokenizer, ids, new)
     sys.stdout.write(text[len(shown):] + "\n")
     sys.stdout.flush()
@@ -248,6 +262,7 @@ def generate(args: argparse.Namespace) -> int:
     from .vision import refuse_image_checkpoint
 
     refuse_image_checkpoint(args.checkpoint, "generate", "`tokenloom classify`")
+    loading = time.perf_counter()  # --verbose: the load time, printed apart from the work's figures
     model, _ = load_inference_model(args.checkpoint, args.precision, args.device)
     tokenizer = load_tokenizer(args.checkpoint)
     if getattr(model, "decoder_for", None) is not None:
@@ -262,11 +277,17 @@ def generate(args: argparse.Namespace) -> int:
         if args.draft is not None or args.prompt_lookup:
             raise ConfigError(f"--draft and --prompt-lookup apply to greedy decoding and sampling; beam search "
                               f"(--beam {args.beam}) verifies no drafts")
-        return _generate_beam(args, model, tokenizer)
+        return _generate_beam(args, model, tokenizer, loading)
     if args.beam < 1:
         raise ConfigError(f"--beam must be >= 1, got {args.beam}")
     decoding, kind = _early_exit(args, model)
     decoding.update(_speculative(args, model, tokenizer))
+    speed = None
+    if args.verbose:  # the samples' figures added up (the load time: model, tokenizer, drafter, exit heads)
+        from ..speed import Speed
+
+        speed = Speed(seconds=0.0, new_tokens=0, prompt_tokens=0, first_token_seconds=0.0, prompts=0,
+                      load_seconds=time.perf_counter() - loading)
     for i in range(args.num_samples):
         if args.num_samples > 1:
             print(f"--- sample {i + 1} ---")
@@ -277,13 +298,13 @@ def generate(args: argparse.Namespace) -> int:
                              stop_strings=[unescape(text) for text in args.stop], eos_token_id=tokenizer.eos_id,
                              seed=seed, compile=args.compile, exit_threshold=args.exit_threshold,
                              prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens)
-        _stream_text(model, tokenizer, args.prompt, config, **decoding)
+        _stream_text(model, tokenizer, args.prompt, config, speed=speed, **decoding)
     tally = decoding.get("exit_tally")
     if args.verbose and tally is not None:
         print(f"early exit at {args.exit_threshold:g} ({kind} heads): {tally.mean_layers:.2f} of "
               f"{tally.num_layers} layers per token on average over {tally.positions} tokens", file=sys.stderr)
-    if args.verbose and decoding.get("draft_tally") is not None:
-        print(speculative_summary(decoding["draft_tally"], args), file=sys.stderr)
+    if speed is not None:
+        print_speed(_with_drafts(speed, decoding.get("draft_tally"), args))
     return 0
 
 
@@ -336,12 +357,28 @@ def _speculative(args: argparse.Namespace, model, tokenizer) -> dict:
     return found
 
 
-def speculative_summary(tally, args: argparse.Namespace) -> str:
-    """The ``--verbose`` line of a speculative run: acceptance, drafts kept and tokens per pass of the model."""
+def _drafter(args: argparse.Namespace) -> str:
+    """``draft model RUN, k = 4`` / ``prompt lookup (n <= 3), k = 4``."""
     drafter = f"draft model {args.draft}" if args.draft is not None else f"prompt lookup (n <= {args.prompt_lookup})"
-    return (f"speculative decoding with {drafter}, k = {args.num_draft_tokens}: {tally.rounds} passes of the model, "
-            f"{tally.accepted} of {tally.drafted} drafts kept (acceptance {tally.acceptance_rate:.2f}), "
-            f"{tally.mean_accepted:.2f} kept and {tally.tokens_per_pass:.2f} tokens per pass")
+    return f"{drafter}, k = {args.num_draft_tokens}"
+
+
+def speculative_summary(tally, args: argparse.Namespace) -> str:
+    """The line of a speculative run: acceptance, drafts kept and tokens per pass of the model (the ``speculative``
+    figure of :func:`tokenloom.speed.speed_parts`, in a line of its own)."""
+    from ..speed import draft_text
+
+    return (f"speculative decoding with {_drafter(args)}: "
+            + draft_text(tally.drafted, tally.accepted, tally.rounds, tally.rows, tally.emitted))
+
+
+def _with_drafts(speed, tally, args: argparse.Namespace):  # noqa: ANN001, ANN202 - a Speed and a DraftTally
+    """``speed`` with a speculative run's figures from its :class:`~tokenloom.generation.DraftTally` (unchanged
+    without one)."""
+    if tally is not None:
+        speed.drafted, speed.accepted, speed.passes = tally.drafted, tally.accepted, tally.rounds
+        speed.rows, speed.emitted, speed.drafter = tally.rows, tally.emitted, _drafter(args)
+    return speed
 
 
 def _early_exit(args: argparse.Namespace, model) -> tuple[dict, str | None]:
@@ -363,9 +400,10 @@ def _early_exit(args: argparse.Namespace, model) -> tuple[dict, str | None]:
     return {"exit_heads": heads, "exit_tally": ExitTally(model.config.num_layers)}, kind
 
 
-def _generate_beam(args: argparse.Namespace, model, tokenizer) -> int:
+def _generate_beam(args: argparse.Namespace, model, tokenizer, loading: float) -> int:
     """Beam search: the ``--num-samples`` best hypotheses with their scores (no streaming: the best is
-    known only at the end; no sliding window: prompt + new tokens must fit the context)."""
+    known only at the end; no sliding window: prompt + new tokens must fit the context). ``--verbose``: the speed
+    figures, the new tokens those of the best hypothesis (``loading``: when the model began to load)."""
     from ..generation import beam_search
 
     ids = tokenizer.encode(args.prompt)
@@ -379,13 +417,20 @@ def _generate_beam(args: argparse.Namespace, model, tokenizer) -> int:
                          exit_threshold=args.exit_threshold,
                          num_return_sequences=min(args.num_samples, args.beam), length_penalty=args.length_penalty,
                          no_repeat_ngram_size=args.no_repeat_ngram_size, eos_token_id=tokenizer.eos_id)
+    loaded = time.perf_counter()
     with torch.inference_mode():
         out = beam_search(model, torch.tensor([ids], device=device_of(model)), config, tokenizer=tokenizer)
+    seconds = time.perf_counter() - loaded
     for k in range(out.sequences.shape[1]):
         if out.sequences.shape[1] > 1:
             print(f"--- hypothesis {k + 1} (score {float(out.scores[0, k]):.4f}) ---")
         tokens = out.sequences[0, k, len(ids):len(ids) + int(out.lengths[0, k])].tolist()
         print(args.prompt + _continuation(tokenizer, ids, tokens))
+    if args.verbose:
+        from ..speed import Speed
+
+        print_speed(Speed(seconds, new_tokens=int(out.lengths[0, 0]), prompt_tokens=len(ids),
+                          decoding=f"beam {args.beam}", load_seconds=loaded - loading))
     return 0
 
 
@@ -402,6 +447,7 @@ def evaluate(args: argparse.Namespace) -> int:
     if config.get("task") == "image_classification":
         from .vision import evaluate_image
 
+        _no_speed_figures(args, config)
         return evaluate_image(args, ckpt, config)
     if config.get("task", "lm") in ("translation", "nat_translation") or \
             (config.get("model") or {}).get("family") in ("seq2seq", "nat"):
@@ -413,12 +459,15 @@ def evaluate(args: argparse.Namespace) -> int:
     if config.get("task") in ("dpo", "reward"):  # preference metrics on its pairs (cli/preference.py)
         from .preference import evaluate_preference
 
+        _no_speed_figures(args, config)
         return evaluate_preference(args, ckpt, config)
     if args.metrics or args.source or args.reference:
         raise ConfigError("--metrics, --source and --reference apply to translation models; a language model "
                           "reports loss and perplexity")
+    loading = time.perf_counter()
     model, _ = load_inference_model(ckpt, args.precision, args.device)
     tokenizer = load_tokenizer(ckpt)
+    load_seconds = time.perf_counter() - loading
     data = config.get("data") or {}
     if not args.data and not data.get("path"):
         raise ConfigError(f"{ckpt} records no training data (an imported checkpoint?): pass --data FILE")
@@ -427,7 +476,13 @@ def evaluate(args: argparse.Namespace) -> int:
     if args.stride is not None and args.stride > seq_len:
         raise ConfigError(f"--stride must be at most the model's window of {seq_len} tokens, got {args.stride}")
     with tempfile.TemporaryDirectory(prefix="tokenloom-eval-") as tmp:
-        dataset = TextDataset.prepare(path, tokenizer, tmp, val_fraction=data.get("val_fraction", 0.1))
+        text = path
+        if not args.data and data.get("format") == "hf":  # the recorded table's text column, as training read it
+            from ..config import from_dict
+            from ..tasks.lm import LMDataConfig, text_file
+
+            text = text_file(from_dict(LMDataConfig, data, prefix="data"), Path(tmp))
+        dataset = TextDataset.prepare(text, tokenizer, tmp, val_fraction=data.get("val_fraction", 0.1))
         memory_len = getattr(model.config, "memory_len", 0)  # Transformer-XL: over streams, with its memory
         rows = args.batch_size or 16
         if memory_len and not args.batch_size:  # as many streams (of at least one segment) as the split holds
@@ -454,7 +509,18 @@ def evaluate(args: argparse.Namespace) -> int:
         result["tokens"] = tokens
         result["tokens_per_s"] = round(tokens / seconds, 1)
     print_result(result, args.json)
+    if args.verbose:
+        from ..speed import Speed
+
+        print_speed(Speed(seconds, scored_tokens=tokens or 0, load_seconds=load_seconds))
     return 0
+
+
+def _no_speed_figures(args: argparse.Namespace, config: dict) -> None:
+    """``evaluate --verbose`` of a checkpoint whose evaluation has no speed figures: a note, not silence."""
+    if args.verbose:
+        print(f"note: --verbose prints speed figures for language and translation models; a {config['task']} "
+              "checkpoint's evaluation reports its seconds with its metrics", file=sys.stderr)
 
 
 def _evaluate_sft(args: argparse.Namespace, ckpt: Path, config: dict) -> int:
@@ -466,7 +532,9 @@ def _evaluate_sft(args: argparse.Namespace, ckpt: Path, config: dict) -> int:
     if args.metrics or args.source or args.reference or args.stride is not None:
         raise ConfigError("an sft checkpoint reports loss and perplexity over the response tokens: leave out "
                           "--metrics, --source, --reference and --stride")
+    loading = time.perf_counter()
     model, _ = load_inference_model(ckpt, args.precision, args.device)
+    load_seconds = time.perf_counter() - loading
     data = from_dict(SFTDataConfig, config.get("data") or {}, prefix="data")
     seq_len = (config.get("train") or {}).get("seq_len") or model.config.max_seq_len
     task = SFTTask.for_checkpoint(data, load_tokenizer(ckpt), batch_size=args.batch_size or 16, seq_len=seq_len,
@@ -474,9 +542,13 @@ def _evaluate_sft(args: argparse.Namespace, ckpt: Path, config: dict) -> int:
     start = time.perf_counter()
     with torch.no_grad():
         metrics = task.evaluate(model, max_batches=args.batches, split=args.split)
-    result = {"checkpoint": str(ckpt), "data": data.path, "split": args.split, **metrics,
-              "seconds": round(time.perf_counter() - start, 2)}
+    seconds = time.perf_counter() - start
+    result = {"checkpoint": str(ckpt), "data": data.path, "split": args.split, **metrics, "seconds": round(seconds, 2)}
     print_result(result, args.json)
+    if args.verbose:
+        from ..speed import Speed
+
+        print_speed(Speed(seconds, scored_tokens=int(metrics.get("tokens", 0)), load_seconds=load_seconds))
     return 0
 
 
@@ -666,22 +738,32 @@ def describe_decoding(options: dict) -> str:
 
 
 def translate(args: argparse.Namespace) -> int:
+    from ..tasks.translation import TokenCounts
     from ..tasks.translation import translate as run
 
     output = _output_file(args.output)
+    loading = time.perf_counter()  # --verbose: the load time (model, drafter, rescorer), apart from the work's
     _, model, tokenizer = translation_model(args.checkpoint, args.precision, args.device)
     options = decoding_options(args, model, tokenizer, args.precision)
+    loaded = time.perf_counter()
     lines = _read_lines(args.input)
     keep = [i for i, line in enumerate(lines) if line.strip()]
     out = [""] * len(lines)  # an empty input line gives an empty output line
+    counts = TokenCounts()
     with torch.inference_mode(), progress("translate", len(keep), "translated", "sentence") as done:
+        start = time.perf_counter()
         for i, text in zip(keep, run(model, tokenizer, [lines[i] for i in keep], **options,
                                      length_penalty=args.length_penalty, max_tokens=args.max_tokens,
                                      no_repeat_ngram_size=args.no_repeat_ngram_size,
-                                     truncate=args.too_long == "truncate", progress=done), strict=True):
+                                     truncate=args.too_long == "truncate", progress=done, counts=counts),
+                            strict=True):
             out[i] = text
-    if "speculation" in options:
-        print(speculative_summary(options["speculation"].tally, args), file=sys.stderr)
+        seconds = time.perf_counter() - start
+    tally = options["speculation"].tally if "speculation" in options else None
+    if args.verbose:
+        print_speed(_with_drafts(translation_speed(counts, seconds, options, loaded - loading), tally, args))
+    elif tally is not None:
+        print(speculative_summary(tally, args), file=sys.stderr)
     text = "".join(line + "\n" for line in out)
     if output is not None:
         _write_output(output, text)
@@ -690,6 +772,15 @@ def translate(args: argparse.Namespace) -> int:
     else:
         sys.stdout.write(text)
     return 0
+
+
+def translation_speed(counts, seconds: float, options: dict, load_seconds: float):  # noqa: ANN001, ANN201
+    """The :class:`~tokenloom.speed.Speed` of translating (``counts``: a
+    :class:`~tokenloom.tasks.translation.TokenCounts`) in ``seconds`` with ``options`` (translate()'s)."""
+    from ..speed import Speed
+
+    return Speed(seconds, new_tokens=counts.new_tokens, prompt_tokens=counts.source_tokens, prompt_name="sources",
+                 sentences=counts.sentences, decoding=describe_decoding(options), load_seconds=load_seconds)
 
 
 def _evaluate_translation(args: argparse.Namespace, ckpt: Path, config: dict) -> int:
@@ -703,26 +794,33 @@ def _evaluate_translation(args: argparse.Namespace, ckpt: Path, config: dict) ->
     for name in metrics:  # an unknown metric name fails here, before any decoding
         METRICS.get(name)
     output = _output_file(args.output)
+    loading = time.perf_counter()
     _, model, tokenizer = translation_model(ckpt, args.precision, args.device)
     options = decoding_options(args, model, tokenizer, args.precision)
+    load_seconds = time.perf_counter() - loading
     if args.source is not None:
         sources, references, what = _read_lines(args.source), _read_lines(args.reference), args.source
         if len(sources) != len(references):
             raise ConfigError(f"--source has {len(sources)} lines but --reference has {len(references)}")
     else:
         from ..config import from_dict
-        from ..data.parallel import read_parallel
         from ..tasks.nat import NATDataConfig
 
         data_cls = NATDataConfig if config.get("task") == "nat_translation" else TranslationDataConfig
         data = from_dict(data_cls, config.get("data") or {}, prefix="data")
-        pairs = read_parallel(*data.files(args.split), empty_lines=data.empty_lines)
+        pairs = data.read_pairs(args.split)  # (its files, or with data.format hf its table)
         sources, references = [p[0] for p in pairs], [p[1] for p in pairs]
         what = f"{args.split} ({data.source_lang}->{data.target_lang}, {len(pairs)} sentences)"
+    from ..tasks.translation import TokenCounts
+
+    counts = TokenCounts()
     start = time.perf_counter()
     with torch.inference_mode(), progress("evaluate", len(sources), "translated", "sentence") as done:
-        hypotheses = run(model, tokenizer, sources, **options, progress=done)
+        hypotheses = run(model, tokenizer, sources, **options, progress=done, counts=counts)
     seconds = time.perf_counter() - start
+    if args.verbose:
+        tally = options["speculation"].tally if "speculation" in options else None
+        print_speed(_with_drafts(translation_speed(counts, seconds, options, load_seconds), tally, args))
     if output is not None:
         _write_output(output, "".join(h + "\n" for h in hypotheses))
     result = compute_metrics(metrics, hypotheses, references)

@@ -108,8 +108,10 @@ def _add_generate(sub: argparse._SubParsersAction) -> None:
                         "where the checkpoint has them, else shared")
     _add_speculative(p)
     p.add_argument("--verbose", action="store_true",
-                   help="print decoding statistics to stderr (with --exit-threshold: the mean layers a token ran; "
-                        "with --draft or --prompt-lookup: acceptance and tokens per pass of the model)")
+                   help="print speed figures to stderr (stdout keeps the text): load time, prompt tokens and time to "
+                        "the first token, new tokens with tokens/s and ms/token of decoding, total time; with "
+                        "--draft or --prompt-lookup: drafts kept, acceptance and tokens per pass of the model; with "
+                        "--exit-threshold: the mean layers a token ran")
     from .index import add_rag_options
 
     add_rag_options(p)  # --rag INDEX and its options (cli/index.py)
@@ -179,6 +181,9 @@ def _add_evaluate(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--no-plot", action="store_true", help="image: do not draw the confusion-matrix PNG")
     _add_precision(p)
     p.add_argument("--json", action="store_true", help="print the metrics as one JSON object")
+    p.add_argument("--verbose", action="store_true",
+                   help="lm, sft: print the load time and the evaluation pass's tokens/s and ms/token to stderr; "
+                        "translation: as translate --verbose")
     p.set_defaults(func=_run("evaluate"))
 
 
@@ -210,6 +215,10 @@ def _add_translate(sub: argparse._SubParsersAction) -> None:
                    help="a source longer than the model's limit: truncate with a warning, or refuse")
     _add_speculative(p)  # greedy only: --beam defaults to 1 with a drafter
     _add_precision(p)
+    p.add_argument("--verbose", action="store_true",
+                   help="print speed figures to stderr (stdout keeps the translations): load time, sentences/s and "
+                        "the decoding, source tokens, new tokens with tokens/s and ms/token, total time; with --draft "
+                        "or --prompt-lookup: drafts kept, acceptance and tokens per pass of the model")
     p.set_defaults(func=_run("translate"))
 
 
@@ -479,6 +488,10 @@ def _add_serve(sub: argparse._SubParsersAction) -> None:
     add_serve_rag_options(p)  # --rag INDEX: POST /v1/rag (cli/index.py)
     _add_precision(p)
     p.add_argument("--log-level", default="warning", choices=["critical", "error", "warning", "info", "debug"])
+    p.add_argument("--verbose", action="store_true",
+                   help="log a line per completion on stderr: prompt tokens and time to the first token, new tokens "
+                        "with tokens/s and ms/token after the first, drafts kept and acceptance, total time (the "
+                        "numbers /metrics adds to its histograms)")
     p.set_defaults(func=_run_in("serve", "serve"))
 
 
@@ -488,10 +501,12 @@ _DTYPE_CHOICES = ["float32", "bfloat16", "float16"]
 def _add_import(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("import", help="turn a Hugging Face model directory into a tokenloom checkpoint",
                        description="Import a local Hugging Face model directory (config.json, model.safetensors "
-                                   "or pytorch_model.bin, tokenizer.json) as a tokenloom checkpoint. Supported: "
+                                   "or pytorch_model.bin, tokenizer.json), or a hub name (gpt2, org/name) already in "
+                                   "the local Hugging Face cache (HF_HUB_CACHE, else HF_HOME/hub; nothing is "
+                                   "downloaded), as a tokenloom checkpoint. Supported: "
                                    "GPT2LMHeadModel, LlamaForCausalLM, MistralForCausalLM (its sliding window too).")
     p.add_argument("format", choices=["hf"], help="source format: hf (Hugging Face transformers)")
-    p.add_argument("source", help="Hugging Face model directory")
+    p.add_argument("source", help="Hugging Face model directory, or a hub name in the local Hugging Face cache")
     p.add_argument("--out", required=True, help="checkpoint directory to write")
     p.add_argument("--dtype", choices=_DTYPE_CHOICES, default=None, help="store weights in this dtype "
                    "(default: as in the source)")
@@ -622,8 +637,22 @@ def _add_completion(sub: argparse._SubParsersAction) -> None:
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
-    """Descriptions as written; each option's default appended to its help where it has one worth showing (not
-    None, False or empty) and the help does not already say it."""
+    """Descriptions keep their line breaks, and a line wider than the terminal wraps (at its own indent); each
+    option's default appended to its help where it has one worth showing (not None, False or empty) and the help
+    does not already say it."""
+
+    def _fill_text(self, text: str, width: int, indent: str) -> str:
+        import textwrap
+
+        lines = []
+        for line in text.splitlines():
+            if len(indent + line) <= width:
+                lines.append(indent + line)
+                continue
+            lead = line[:len(line) - len(line.lstrip())]
+            lines.append(textwrap.fill(line, width, initial_indent=indent, subsequent_indent=indent + lead,
+                                       break_long_words=False, break_on_hyphens=False))
+        return "\n".join(lines) + ("\n" if text.endswith("\n") else "")
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""

@@ -21,7 +21,9 @@ def stderr_is_terminal() -> bool:
 
 def summary(verb: str, count: int, unit: str, seconds: float) -> str:
     """``translated 1,014 sentences in 12.3 s (82/s)``."""
-    rate = f" ({count / seconds:,.0f}/s)" if seconds > 0 else ""
+    per_second = count / seconds if seconds > 0 else 0.0
+    digits = 0 if per_second >= 10 else 1 if per_second >= 1 else 2  # 82/s, 1.5/s, 0.25/s: never "1/s" for 1.49
+    rate = f" ({per_second:,.{digits}f}/s)" if seconds > 0 else ""
     return f"{verb} {count:,} {unit}{'' if count == 1 else 's'} in {seconds:.1f} s{rate}"
 
 
@@ -57,6 +59,15 @@ def progress(command: str, total: int | None, verb: str, unit: str) -> Iterator[
             warnings.showwarning = shown
             bar.close()
     print(summary(verb, done, unit, time.perf_counter() - start), file=sys.stderr, flush=True)
+
+
+def print_speed(speed) -> None:  # noqa: ANN001 - a tokenloom.speed.Speed
+    """A command's ``--verbose`` speed figures (:func:`tokenloom.speed.speed_lines`: load, prompt, decode, speculative,
+    total), one ``label: text`` line each on stderr; stdout keeps only the command's output."""
+    from ..speed import speed_lines
+
+    for line in speed_lines(speed):
+        print(line, file=sys.stderr, flush=True)
 
 
 def print_result(result: dict, as_json: bool, width: int = 14) -> None:

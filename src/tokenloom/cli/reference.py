@@ -7,6 +7,9 @@
 * :func:`cli_reference`: every command's ``--help`` (with defaults) as argparse prints it.
 * :func:`recipe_fields`: the (section, key) rows of the recipe reference, for the test that compares the page
   with the dataclasses.
+* :func:`field_table`: one dataclass's fields as a Markdown table (the API reference shows it under each config
+  class); :func:`markdown_roles` and :func:`docstring_markdown`: the Sphinx roles and literal blocks the docstrings
+  are written with, as Markdown (``scripts/docs_griffe.py`` applies them to the API reference).
 
 ``scripts/docs_hooks.py`` (the MkDocs hook) writes both pages into the site at build time.
 """
@@ -18,10 +21,11 @@ import dataclasses
 import inspect
 import io
 import os
+import re
 import textwrap
 import tokenize
 import typing
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from ..config import type_name
@@ -141,8 +145,78 @@ def recipe_fields() -> list[FieldRow]:
     return [row for _, section, path, cls in _sections() for row in _rows(cls, section, path)]
 
 
+ROLE = re.compile(r":(?:py:)?(?P<role>class|func|mod|meth|attr|data|exc|obj|const):`"
+                  r"(?P<tilde>~?)(?P<target>[\w.][\w.\s]*)`")
+
+
+def markdown_roles(text: str, link: Callable[[str, str], str | None] | None = None) -> str:
+    """``text`` with its Sphinx roles (``:class:`Name```, ``:func:`~a.b.name```, ``:mod:``, ``:meth:``, ``:attr:``,
+    ``:data:``, ``:exc:``) as Markdown: the name in code (``~``: its last part), linked where ``link(role, target)``
+    gives the object's full dotted path (an optional cross-reference of mkdocs-autorefs: plain code where the site
+    has no page for it)."""
+
+    def replace(match: re.Match) -> str:
+        target = "".join(match["target"].split())  # a name the docstring's line break cut in two
+        shown = target.rsplit(".", 1)[-1] if match["tilde"] else target.lstrip(".")
+        identifier = link(match["role"], target) if link else None
+        if identifier is None:
+            return f"`{shown}`"
+        return f'<autoref identifier="{identifier}" optional><code>{shown}</code></autoref>'
+
+    return ROLE.sub(replace, text)
+
+
+def docstring_markdown(text: str, link: Callable[[str, str], str | None] | None = None) -> str:
+    """A docstring (prose with ``code`` and Sphinx roles, literal blocks after ``::``) as Markdown: the roles as
+    :func:`markdown_roles` makes them, ``text::`` as ``text:`` and its indented block as a code block, in which a role
+    is the bare name (a code block shows its text as written)."""
+    lines = text.splitlines()
+    segments: list[tuple[bool, list[str]]] = [(False, [])]  # (literal?, lines), in order
+    literal_indent = None  # the indent of the paragraph that opened the literal block (None: not in one)
+    for i, line in enumerate(lines):
+        indent = len(line) - len(line.lstrip())
+        if literal_indent is not None and line.strip() and indent <= literal_indent:
+            literal_indent = None
+            segments.append((False, []))
+        opens = line.rstrip().endswith("::") and (i + 1 == len(lines) or not lines[i + 1].strip())
+        if literal_indent is None and opens:
+            segments[-1][1].append(line.rstrip()[:-1] if line.strip() != "::" else "")  # "text::" reads "text:"
+            literal_indent = indent
+            segments.append((True, []))
+            continue
+        segments[-1][1].append(line)
+
+    def bare(match: re.Match) -> str:
+        target = "".join(match["target"].split())
+        return target.rsplit(".", 1)[-1] if match["tilde"] else target.lstrip(".")
+
+    return "\n".join(ROLE.sub(bare, "\n".join(block)) if literal else markdown_roles("\n".join(block), link)
+                     for literal, block in segments if block)
+
+
 def _cell(text: str) -> str:
-    return text.replace("|", "\\|").replace("<", "&lt;").replace("\n", " ")
+    return markdown_roles(text.replace("|", "\\|").replace("<", "&lt;").replace("\n", " "))
+
+
+def field_table(cls: type) -> str:
+    """The fields of the dataclass ``cls`` (those ``__init__`` takes) as a Markdown table: name, type, default (as
+    Python writes it) and the ``# comment`` after the field in the source."""
+    hints, comments = typing.get_type_hints(cls), field_comments(cls)
+    out = ["| field | type | default | meaning |", "| --- | --- | --- | --- |"]
+    for f in dataclasses.fields(cls):
+        if not f.init:
+            continue
+        value = _default(f)
+        if value is dataclasses.MISSING:
+            shown = "(required)"
+        elif dataclasses.is_dataclass(value):
+            shown = f"`{type(value).__name__}()`"
+        else:
+            shown = f"`{value!r}`"
+        kind = re.sub(r"\bnull\b", "None", type_name(hints[f.name]))  # (type_name spells types as YAML does)
+        out.append(f"| `{f.name}` | {_cell(kind)} | {_cell(shown)} | "
+                   f"{_cell(comments.get(f.name, ''))} |")
+    return "\n".join(out)
 
 
 def recipe_reference() -> str:
@@ -164,7 +238,7 @@ def recipe_reference() -> str:
         out += [f"## {title}", ""]
         doc = inspect.getdoc(cls) or ""
         if doc and not doc.startswith(cls.__name__ + "("):  # dataclasses' generated signature is no docstring
-            out += [doc.split("\n\n")[0].replace("\n", " "), ""]
+            out += [markdown_roles(doc.split("\n\n")[0].replace("\n", " ")), ""]
         out += ["| key | type | default | meaning |", "| --- | --- | --- | --- |"]
         for row in _rows(cls, section, path):
             out.append(f"| `{row.key}` | {_cell(row.type)} | {_cell(row.default)} | {_cell(row.comment)} |")

@@ -50,8 +50,11 @@ def summary(loaded: Loaded, run_dir: Path) -> Section:
     train = [r for r in metrics if "loss" in r]
     evals = [r for r in metrics if any(k.startswith("val_") for k in r)]
     if train:
-        last = train[-1]
-        rows += [["steps", last.get("step", "")], ["last training loss", last["loss"]]]
+        # the run's final step: validation runs at the last step, while the training lines come every log_every
+        # steps (a run of 574 steps logs its last loss at step 570)
+        last, final = train[-1], final_step(metrics)
+        loss_name = "last training loss" + ("" if last.get("step") == final else f" (step {last.get('step')})")
+        rows += [["steps", final if final is not None else ""], [loss_name, last["loss"]]]
         seconds = training_seconds(train)
         if seconds is not None:
             rows.append(["training time (s)", seconds])
@@ -60,6 +63,12 @@ def summary(loaded: Loaded, run_dir: Path) -> Section:
             if key.startswith("val_"):
                 rows.append([f"{scoped_name(key, evals[-1])} (step {evals[-1].get('step', '?')})", value])
     return Section("Summary", table(["", ""], rows, text_columns=(0, 1)))
+
+
+def final_step(records: list[dict]) -> int | None:
+    """The last step any record of ``metrics.jsonl`` names (a training line or an evaluation)."""
+    steps = [r["step"] for r in records if isinstance(r.get("step"), int) and not isinstance(r.get("step"), bool)]
+    return max(steps) if steps else None
 
 
 def training_seconds(records: list[dict]) -> float | None:

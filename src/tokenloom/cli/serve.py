@@ -43,7 +43,7 @@ def serve(args: argparse.Namespace) -> int:
                          prompt_lookup=args.prompt_lookup, num_draft_tokens=args.num_draft_tokens,
                          block_size=args.block_size, kv_blocks=args.kv_blocks, prefix_caching=args.prefix_caching,
                          prefill_tokens=args.prefill_tokens, grammar_seconds=args.grammar_seconds,
-                         grammar_memory_mb=args.grammar_memory_mb)
+                         grammar_memory_mb=args.grammar_memory_mb, log_requests=args.verbose)
     if family == "gpt":
         _check_cache_budget(ckpt, config, args.precision)  # before the model loads
     # the flags are checked (above) before the model loads

@@ -10,6 +10,7 @@ import io
 import shutil
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -56,7 +57,6 @@ def distill(args: argparse.Namespace) -> int:
     (the other splits copied unchanged), line-aligned; an empty translation keeps the original target. An ``--out``
     that holds files is refused without ``--force``; the teacher's own data folder always."""
     from ..checkpoint import resolve_checkpoint
-    from ..data.parallel import read_parallel
     from ..tasks.translation import translate
     from .progress import progress
 
@@ -69,7 +69,7 @@ def distill(args: argparse.Namespace) -> int:
     ckpt, model, tokenizer = translation_model(args.checkpoint, args.precision, args.device)
     if decoding_of(model) == "parallel":
         raise ConfigError(f"{ckpt} is a non-autoregressive model; distill from an autoregressive teacher")
-    pairs = read_parallel(*data.files(args.split), empty_lines=data.empty_lines)
+    pairs = data.read_pairs(args.split)  # (its files, or with data.format hf its table)
     if args.limit is not None:
         pairs = pairs[:args.limit]
     sources = [source for source, _ in pairs]
@@ -91,6 +91,12 @@ def distill(args: argparse.Namespace) -> int:
     copied = []
     for split in data.splits:
         if split == args.split:
+            continue
+        if data.format == "hf":  # the teacher's tables: each other split written out as line-aligned files
+            with tempfile.TemporaryDirectory(prefix="tokenloom-distill-") as folder:
+                for path in data.aligned_files(split, Path(folder)):
+                    write_atomic(out / path.name, lambda tmp, path=path: shutil.copyfile(path, tmp))
+                    copied.append(path.name)
             continue
         for path in data.files(split):
             if Path(path).is_file():
@@ -217,12 +223,10 @@ def _bench_split(models: list, split: str, limit: int | None) -> tuple[list[str]
     sources = references = None
     for ckpt, _, _ in models:
         data = _data_config(read_config(ckpt))
-        if not Path(data.files(split)[0]).is_file():
+        if data.format != "hf" and not Path(data.files(split)[0]).is_file():  # (a table: its reader names it)
             raise ConfigError(f"{ckpt}: its data has no {split!r} split ({data.files(split)[0]})")
         if sources is None:
-            from ..data.parallel import read_parallel
-
-            pairs = read_parallel(*data.files(split), empty_lines=data.empty_lines)
+            pairs = data.read_pairs(split)
             if limit is not None:
                 pairs = pairs[:limit]
             sources, references = [p[0] for p in pairs], [p[1] for p in pairs]

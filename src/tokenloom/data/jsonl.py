@@ -1,14 +1,16 @@
 """Reading JSON Lines files: one JSON value a line, blank lines skipped, every problem a one-line
-:class:`~tokenloom.errors.DataError` naming ``path:line``."""
+:class:`~tokenloom.errors.DataError` naming ``path:line`` -- while a line is read (:func:`read_jsonl`) and while the
+record it became is encoded (:func:`record_errors`: characters outside the tokenizer's vocabulary, ...)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from ..errors import DataError
+from ..errors import DataError, TokenizerError
 
 
 def read_jsonl(path: str | Path, what: str = "JSONL") -> Iterator[tuple[str, Any]]:
@@ -32,3 +34,17 @@ def read_jsonl(path: str | Path, what: str = "JSONL") -> Iterator[tuple[str, Any
         except json.JSONDecodeError as err:
             raise DataError(f"{where}: not valid JSON ({err.msg} at column {err.colno})") from None
         yield where, obj
+
+
+@contextlib.contextmanager
+def record_errors(where: str) -> Iterator[None]:
+    """Encode a record read from ``where`` (``"path:line"``, as :func:`read_jsonl` names it) inside this block: a
+    :class:`~tokenloom.errors.TokenizerError` raised there (characters outside the vocabulary, a template the record
+    breaks) is raised again, of the same class, as ``"path:line: <message>"``."""
+    try:
+        yield
+    except TokenizerError as err:
+        message = str(err)
+        if not where or message.startswith(f"{where}:"):
+            raise
+        raise type(err)(f"{where}: {message}") from None

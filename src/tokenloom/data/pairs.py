@@ -16,7 +16,7 @@ from typing import Any
 
 from ..errors import DataError
 from .chat import ChatTemplate, Message, check_messages
-from .jsonl import read_jsonl
+from .jsonl import read_jsonl, record_errors
 from .tokenizers import Tokenizer
 
 
@@ -105,7 +105,8 @@ def encode_reply(template: ChatTemplate, tokenizer: Tokenizer, prompt: Sequence[
     """(ids, trained) of ``prompt`` followed by the assistant's ``reply``, only the reply's tokens (and its end
     marker) trained. Longer than ``max_length``: the prompt loses tokens from its start; a reply that cannot fit
     with one token before it keeps that token and its own first ``max_length - 1`` tokens."""
-    ids, trained = template.encode(tokenizer, [*prompt, {"role": "assistant", "content": reply}])
+    with record_errors(where):  # (characters outside the vocabulary: "path:line: ...")
+        ids, trained = template.encode(tokenizer, [*prompt, {"role": "assistant", "content": reply}])
     start, end = response_span(trained)
     if start == end or start == 0:
         raise DataError(f"{where}: the chat template gives the reply no tokens after the prompt")

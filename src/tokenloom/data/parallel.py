@@ -476,8 +476,10 @@ def _encode_split(cache_dir: Path, meta: dict[str, Any], name: str, files: dict[
     for side, texts in (("source", data.source), ("target", data.target)):
         try:
             encoded = tokenizer.encode_batch(texts)
-        except TokenizerError as err:
-            raise DataError(f"{files[side]}: {err}") from None
+        except TokenizerError as err:  # named by the file's line (data.lines: the kept pairs' 0-based lines)
+            bad = tokenizer.first_unencodable(texts)
+            where = f"{files[side]}:{data.lines[bad] + 1}" if bad is not None else str(files[side])
+            raise (type(err) if isinstance(err, DataError) else DataError)(f"{where}: {err}") from None
         offsets = np.zeros(len(encoded) + 1, dtype=np.int64)
         np.cumsum([len(e) for e in encoded], out=offsets[1:])
         flat = np.fromiter((i for e in encoded for i in e), dtype=np.uint32, count=int(offsets[-1]))

@@ -121,7 +121,7 @@ class TextDataset:
         try:
             ids = tokenizer.encode_array(text)
         except TokenizerError as err:
-            raise DataError(f"{text_path}: {err}") from None
+            raise _located(err, text_path, text, tokenizer) from None
         del text
         dtype = np.dtype(np.uint16 if tokenizer.vocab_size < 65536 else np.uint32)
         num_train = int(len(ids) * (1.0 - val_fraction))
@@ -271,3 +271,15 @@ class TextDataset:
     def __repr__(self) -> str:
         return (f"TextDataset({str(self.out_dir)!r}, train={self.num_tokens('train')}, "
                 f"val={self.num_tokens('val')}, dtype={self.dtype.name})")
+
+
+def _located(err: TokenizerError, path: Path, text: str, tokenizer: Tokenizer) -> DataError:
+    """The encoding error of a text file as a one-line :class:`DataError` naming ``path:line`` (the first line the
+    tokenizer cannot encode; ``path`` alone when no single line fails), of the error's own class where that is
+    a data error too (:class:`~tokenloom.errors.VocabularyError`)."""
+    lines = text.split("\n")
+    bad = tokenizer.first_unencodable([line + "\n" for line in lines[:-1]] + lines[-1:])
+    where = f"{path}:{bad + 1}" if bad is not None else str(path)
+    cls = type(err) if isinstance(err, DataError) else DataError
+    return cls(f"{where}: {err}")
+

@@ -42,7 +42,7 @@ import numpy as np
 from tokenizers import Regex, decoders, models, pre_tokenizers, trainers
 from tokenizers import Tokenizer as HFTokenizer
 
-from ..errors import CheckpointError, ConfigError, DataError, TokenizerError
+from ..errors import CheckpointError, ConfigError, DataError, TokenizerError, VocabularyError
 from ..registry import Registry
 
 TokenizerBuilder = Callable[[str, "int | None"], "Tokenizer"]
@@ -136,6 +136,7 @@ class Tokenizer:
         self.chat_template: str | None = None  # the chat template a checkpoint records (tokenizer.chat_template:
         #   "default" or a Jinja string; :mod:`tokenloom.data.chat`), None where it records none
         self.bos_token: str | None = None  # the text a Jinja chat template writes for {{ bos_token }}, or None
+        self.origin: str | None = None  # the checkpoint it was loaded from (named by encoding errors), or None
 
     # ---- building -------------------------------------------------------------------------------
 
@@ -268,11 +269,22 @@ class Tokenizer:
 
     # ---- encoding -------------------------------------------------------------------------------
 
-    def _oov_error(self, text: str) -> TokenizerError:
+    def _oov_error(self, text: str) -> VocabularyError:
         unknown = [ch for ch in dict.fromkeys(text) if ch not in self._stoi]
-        return TokenizerError(f"text contains characters outside the vocabulary: "
-                              f"{_named(unknown, len(unknown))} "
-                              f"(the tokenizer knows {len(self._stoi)} characters)")
+        whose = f"the tokenizer of {self.origin}" if self.origin else "the tokenizer"
+        return VocabularyError(f"text contains characters outside the vocabulary: "
+                               f"{_named(unknown, len(unknown))} "
+                               f"({whose} knows {len(self._stoi)} characters)")
+
+    def first_unencodable(self, texts: Sequence[str]) -> int | None:
+        """The index of the first of ``texts`` this tokenizer cannot encode, or None when all encode (what a reader
+        calls after an encoding error, to name the line that caused it)."""
+        for i, text in enumerate(texts):
+            try:
+                self.encode(text)
+            except TokenizerError:
+                return i
+        return None
 
     def encode(self, text: str) -> list[int]:
         """Token ids of ``text``; a char tokenizer rejects unknown characters with TokenizerError."""

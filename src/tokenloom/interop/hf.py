@@ -51,6 +51,7 @@ from ..models.factory import create_model, model_config_to_dict
 from ..models.options import LINEAR_ATTENTION
 from ..nn.quantized import is_quantized
 from ..registry import Registry
+from .hub import resolve_hf_model
 
 HF_CONFIG_FILE = "config.json"
 _SAFETENSORS, _SAFETENSORS_INDEX = "model.safetensors", "model.safetensors.index.json"
@@ -303,10 +304,9 @@ def _with_base_prefix(conv: HFConverter, rules: list[Rule], hf_state: dict[str, 
 # ---- reading a Hugging Face directory ---------------------------------------------------------------
 
 def read_hf_config(directory: str | Path) -> dict[str, Any]:
-    """The ``config.json`` of a Hugging Face model directory, read as JSON (no code runs); else a one-line error."""
-    directory = Path(directory)
-    if not directory.is_dir():
-        raise CheckpointError(f"Hugging Face model directory not found: {directory}")
+    """The ``config.json`` of a Hugging Face model directory (or a hub name in the local cache,
+    :func:`~tokenloom.interop.hub.resolve_hf_model`), read as JSON (no code runs); else a one-line error."""
+    directory = resolve_hf_model(directory)
     path = directory / HF_CONFIG_FILE
     if not path.is_file():
         raise CheckpointError(f"{directory} has no {HF_CONFIG_FILE}: not a Hugging Face model directory")
@@ -364,7 +364,7 @@ def _load_sharded(directory: Path, index_name: str, loader: Callable[[Path], dic
 
 def read_hf_weights(directory: str | Path) -> tuple[dict[str, Tensor], str]:
     """(state dict, file name) of a model directory; safetensors first, then ``pytorch_model.bin``."""
-    directory = Path(directory)
+    directory = resolve_hf_model(directory)
     if (directory / _SAFETENSORS).is_file():
         return _load_safetensors(directory / _SAFETENSORS), _SAFETENSORS
     if (directory / _SAFETENSORS_INDEX).is_file():
@@ -400,7 +400,7 @@ def _special_token(directory: Path, hf_config: dict[str, Any], tokenizer: Tokeni
 
 def read_hf_tokenizer(directory: str | Path, hf_config: dict[str, Any] | None = None) -> Tokenizer | None:
     """The directory's ``tokenizer.json`` as a :class:`Tokenizer` (eos from the config), or None."""
-    directory = Path(directory)
+    directory = resolve_hf_model(directory)
     if not (directory / "tokenizer.json").is_file():
         return None
     tokenizer = Tokenizer.from_file(directory / "tokenizer.json")
@@ -412,7 +412,7 @@ def read_hf_chat_template(directory: str | Path) -> str | None:
     """The directory's chat template (a Jinja string): ``tokenizer_config.json``'s ``chat_template`` (a string, or
     the ``default`` entry of a list of named ones), else ``chat_template.jinja`` or ``chat_template.json`` (newer
     transformers save it apart); None when there is none."""
-    directory = Path(directory)
+    directory = resolve_hf_model(directory)
     candidates: list[Any] = []
     for name in ("tokenizer_config.json", "chat_template.json"):
         path = directory / name
@@ -438,7 +438,7 @@ def read_hf_chat_template(directory: str | Path) -> str | None:
 def _hf_source(model_or_dir: Any) -> tuple[dict[str, Any], dict[str, Tensor], str, Path | None]:
     """(config.json mapping, HF state dict, source name, directory or None) of a directory or model object."""
     if isinstance(model_or_dir, (str, os.PathLike)):
-        directory = Path(model_or_dir)
+        directory = resolve_hf_model(model_or_dir)  # a directory, or a hub name in the local cache
         hf_config = read_hf_config(directory)
         find_converter(hf_config)  # an unsupported architecture is named before any weights are read
         state, name = read_hf_weights(directory)
@@ -490,8 +490,10 @@ def _check_out(out: Path, force: bool) -> None:
 def import_hf(directory: str | Path, out: str | Path, *, dtype: torch.dtype | None = None,
               force: bool = False) -> Path:
     """Write a tokenloom checkpoint directory (config.yaml, model.safetensors, tokenizer.json when the
-    source has one) from a Hugging Face model directory. Returns ``out``."""
-    directory, out = Path(directory), Path(out)
+    source has one) from a Hugging Face model directory, or a hub name (``gpt2``, ``org/name``) already in the local
+    Hugging Face cache (:func:`~tokenloom.interop.hub.resolve_hf_model`; nothing is downloaded). Returns ``out``."""
+    name, out = os.fspath(directory), Path(out)
+    directory = resolve_hf_model(directory)
     _check_out(out, force)
     hf_config = read_hf_config(directory)
     conv, config, state = convert_from_hf(directory)
@@ -501,6 +503,7 @@ def import_hf(directory: str | Path, out: str | Path, *, dtype: torch.dtype | No
                               f"{config.vocab_size}")
     run_config: dict[str, Any] = {"model": model_config_to_dict(conv.family, config),
                                   "source": {"format": "huggingface", "path": str(directory.resolve()),
+                                             **({} if Path(name).is_dir() else {"name": name}),  # a hub name
                                              "model_type": hf_config.get("model_type"),
                                              "architecture": (hf_config.get("architectures") or [None])[0]}}
     if tokenizer is not None and tokenizer.eos_token is not None:

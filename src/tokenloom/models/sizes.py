@@ -180,6 +180,16 @@ def parameter_count(config: Any) -> int:
     return sum(p.values for p in model_parts(config) if p.parameter)
 
 
+def training_flops_per_token(config: Any, parameters: int, seq_len: int | None = None) -> float | None:
+    """Training FLOPs per token (forward + backward) of a GPT of ``parameters`` parameters over windows of
+    ``seq_len`` tokens (None: ``max_seq_len``): ``6 N`` for the matrix products of the N parameters plus
+    ``12 L C T`` for attention's scores and weighted sums (Chowdhery et al. 2022, appendix B; nanoGPT's
+    ``estimate_mfu``). None for the other families (no estimate: no MFU)."""
+    if not isinstance(config, GPTConfig):
+        return None
+    return 6 * parameters + 12 * config.num_layers * config.embed_dim * (seq_len or config.max_seq_len)
+
+
 def check_model_memory(config: Any, prefix: str = "model.") -> None:
     """Refuse to build a model that cannot fit in memory (:func:`tokenloom.budget.check_memory`), naming the
     setting of its largest part: ``model.num_layers=1000000000: the model needs about 6.4 PiB of memory ...``."""

@@ -39,6 +39,7 @@ class ServeConfig:
     # past these limits (the request gets a 400)
     grammar_seconds: float = COMPILE_SECONDS  # wall-clock seconds a grammar may take to compile
     grammar_memory_mb: int = COMPILE_MEMORY_MB  # memory a grammar's compile may use, in MB
+    log_requests: bool = False  # a line per finished completion on stderr (serve --verbose; Metrics.log)
 
     def __post_init__(self) -> None:
         for name in ("max_batch", "max_queue", "max_tokens", "max_body_bytes", "max_prompts"):

@@ -113,7 +113,10 @@ ROUTES = (COMPLETIONS, CHAT)
 
 
 def rules(route: str) -> dict[str, Rule]:
-    """The table's column for ``route`` (fields that are not the route's left out)."""
+    """The table's column for ``route`` (fields that are not the route's left out); nothing for a route the table
+    does not cover (``/v1/rag`` checks its own fields)."""
+    if route not in ROUTES:
+        return {}
     column = ROUTES.index(route)
     return {name: row[column] for name, row in FIELDS.items() if row[column] is not None}
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import sys
 import threading
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+from ..speed import Speed, speed_line
 
 BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, float("inf"))
 
@@ -31,9 +34,24 @@ class Histogram:
         return lines
 
 
+def log_to_stderr(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def request_speed(request, finished: float) -> Speed:  # noqa: ANN001 - a serving Request
+    """A finished request's :class:`~tokenloom.speed.Speed`, from the times the histograms observe: its arrival at the
+    engine, its first token (time to first token), and ``finished`` (its last byte, time.monotonic())."""
+    first = request.first_token_at
+    speculative = request.drafted > 0
+    return Speed(finished - request.submitted, new_tokens=len(request.new_ids), prompt_tokens=len(request.prompt_ids),
+                 first_token_seconds=None if first is None else first - request.submitted,
+                 drafted=request.drafted if speculative else None, accepted=request.accepted if speculative else None)
+
+
 class Metrics:
     """Requests, errors, generated tokens, throughput over the last 10 s, latency and time-to-first-token
-    histograms; the engine's queue depth and batch occupancy are read when rendering."""
+    histograms; the engine's queue depth and batch occupancy are read when rendering. ``log``, when set (``serve
+    --verbose``), gets a line per finished completion request (:func:`request_speed`, one line per choice)."""
 
     WINDOW = 10.0  # seconds of the tokens/s gauge
 
@@ -46,6 +64,7 @@ class Metrics:
         self.drafted = self.accepted = 0  # speculative decoding: draft tokens verified, and kept
         self.recent: deque[tuple[float, int]] = deque()
         self.latency, self.ttft = Histogram(), Histogram()
+        self.log: Callable[[str], None] | None = None
 
     def on_step(self, active: int, tokens: int) -> None:  # engine thread
         now = time.monotonic()
@@ -80,6 +99,10 @@ class Metrics:
             for _, request, _ in started:
                 if request.first_token_at is not None:
                     self.ttft.observe(request.first_token_at - request.submitted)
+        if self.log is not None:
+            for index, request, _ in started:
+                head = "request" if len(started) == 1 else f"request (choice {index})"
+                self.log(speed_line(request_speed(request, now), head))
 
     async def timed(self, events: AsyncIterator[bytes], started) -> AsyncIterator[bytes]:
         began = time.monotonic()

@@ -20,7 +20,7 @@ from ..models.registry import decoding_of
 from .checks import APIError
 from .config import ServeConfig
 from .engine import Engine
-from .metrics import Metrics
+from .metrics import Metrics, log_to_stderr
 from .security import check_api_key
 
 
@@ -58,6 +58,8 @@ class ServerState:
         if draft is not None and not state.is_lm:
             raise ConfigError("speculative decoding (--draft, --prompt-lookup) applies to a language model's "
                               "completions; this server serves a translation model")
+        if config.log_requests:  # serve --verbose: a speed line per finished completion
+            state.metrics.log = log_to_stderr
         size = model.config.vocab_size
         state.vocab = vocabulary_limit(tokenizer, size) or size
         if state.is_lm:

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from ..config import check, check_choice
 from ..data.chat import DEFAULT_END_TEXT, DEFAULT_HEADERS, ChatTemplate, Message, chat_template_for, check_messages
-from ..data.jsonl import read_jsonl
+from ..data.jsonl import read_jsonl, record_errors
 from ..data.tokenizers import TOKENIZERS, Tokenizer, create_tokenizer
 from ..devices import device_of
 from ..errors import DataError
@@ -88,7 +88,7 @@ def grpo_loss(logp: Tensor, ref_logp: Tensor, mask: Tensor, advantages: Tensor, 
 
 @dataclass
 class GRPODataConfig:
-    path: str = "data/grpo/train.jsonl"  # JSONL: one {"prompt": str | [{"role", "content"}, ...], ...} per line;
+    path: str = "data/kb/format_grpo.jsonl"  # JSONL: one {"prompt": str | [{"role", "content"}, ...], ...} per line;
     #   the other fields (e.g. "answer") reach the rewards as the example
     val_path: str | None = None  # validation prompts (same format); None = the last val_fraction of path
     val_fraction: float = 0.1  # without val_path: the last fraction of the prompts (at least one) is validation
@@ -106,7 +106,8 @@ class GRPODataConfig:
     epsilon: float = 0.2  # the ratio's clip range [1 - epsilon, 1 + epsilon]
     eval_temperature: float = 0.0  # evaluation completions: 0 = greedy, > 0 = sampled with eval_seed
     eval_seed: int = 0  # the seed of evaluation's sampling (eval_temperature > 0, and the KL estimate)
-    kl_samples: int = 2  # policy samples per validation prompt for val_kl (sequence-level KL); 0 = not measured
+    kl_samples: int = 2  # policy samples per validation prompt for val_kl (sequence-level KL, the k3 estimator
+    #   summed over the tokens: >= 0); 0 = not measured
 
     def __post_init__(self) -> None:
         check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
@@ -186,11 +187,13 @@ class GRPOTask(Sharded):
     within-group std), ``kl`` (per token), ``completion_length`` (tokens), ``zero_std_groups`` (the fraction of
     groups whose rewards are all equal: no policy gradient from them), ``clip_ratio``. Evaluation
     (:meth:`evaluate`): ``val_reward``, ``val_satisfied`` (the fraction of completions at the highest total the
-    rewards allow, when they are bounded), ``val_length`` and ``val_kl`` (:func:`~tokenloom.tasks.policy.policy_kl`,
-    nats per sequence)."""
+    rewards allow, when they are bounded), ``val_length`` and ``val_kl`` (:func:`~tokenloom.tasks.policy.policy_kl`'s
+    k3 estimate, nats per sequence, never negative). ``tokenloom train`` ends with ``val_reward``, ``val_satisfied``
+    and ``val_kl`` (:attr:`summary_metrics`)."""
 
     data_config_cls = GRPODataConfig
     default_family = "gpt"
+    summary_metrics = (("val_reward", 4), ("val_satisfied", 4), ("val_kl", 4))  # no val_loss: what the run reached
     needs_reference = True  # setup() gets train.init_from: the frozen reference's weights
 
     def __init__(self, policy: nn.Module, reference: nn.Module, tokenizer: Tokenizer, template: ChatTemplate,
@@ -199,7 +202,7 @@ class GRPOTask(Sharded):
         self.policy, self.reference = policy, reference.requires_grad_(False).eval()
         self.tokenizer, self.template, self.rewards, self.data = tokenizer, template, rewards, data
         self.splits = {"train": train, "val": val}
-        self.prompt_ids = {name: [template.encode_prompt(tokenizer, p.messages) for p in prompts]
+        self.prompt_ids = {name: [_encode_prompt(template, tokenizer, p) for p in prompts]
                            for name, prompts in self.splits.items()}
         self.prompts_per_step, self.eval_batches, self.seed = prompts_per_step, eval_batches, seed
         self.vocab_limit = vocabulary_limit(tokenizer, getattr(getattr(policy, "config", None), "vocab_size", None))
@@ -296,7 +299,8 @@ class GRPOTask(Sharded):
         ``prompts_per_step`` prompts of ``split`` (-1: ``train.eval_batches``; None: all): ``{split}_reward`` (mean
         total reward), ``{split}_satisfied`` (fraction at the highest total, bounded rewards only),
         ``{split}_length`` (completion tokens), ``{split}_ended`` (fraction ending with the end marker) and
-        ``{split}_kl`` (KL(policy || reference) in nats per sequence on ``kl_samples`` samples per prompt)."""
+        ``{split}_kl`` (KL(policy || reference) in nats per sequence on ``kl_samples`` samples per prompt: the k3
+        estimator summed over each completion's tokens, >= 0)."""
         check(split in self.splits, f"split must be one of {', '.join(self.splits)}, got {split!r}")
         max_batches = self.eval_batches if max_batches == -1 else max_batches
         prompts = self.splits[split]
@@ -373,6 +377,12 @@ class GRPOTask(Sharded):
                                 f"data.max_new_tokens={data.max_new_tokens} it needs {need} positions, more than "
                                 f"model.max_seq_len={limit}")
         return task, model, tokenizer, {"family": family, **section}
+
+
+def _encode_prompt(template: ChatTemplate, tokenizer: Tokenizer, prompt: Prompt) -> list[int]:
+    """The prompt's ids with the generation prompt; an encoding error names its ``path:line``."""
+    with record_errors(prompt.where):
+        return template.encode_prompt(tokenizer, prompt.messages)
 
 
 def _tokenizer_text(prompts: list[Prompt]) -> str:

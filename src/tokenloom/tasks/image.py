@@ -192,6 +192,7 @@ class ImageClassificationTask(Sharded):
     data_config_cls = ImageDataConfig
     default_family = "vit"
     uses_tokenizer = False
+    count_unit = "img"  # the progress line's img/s
 
     def __init__(self, dataset: ImageDataset, data: ImageDataConfig, *, batch_size: int, label_smoothing: float = 0.0,
                  eval_batches: int | None = None, seed: int = 0) -> None:

@@ -23,11 +23,16 @@ from .registry import TASKS, Sharded
 from .vocabulary import config_for_tokenizer
 
 DATA_ORDERS = ("random", "stream")
+LM_FORMATS = ("text", "hf")
 
 
 @dataclass
 class LMDataConfig:
-    path: str = "data/tinyshakespeare/input.txt"  # a UTF-8 text file
+    path: str = "data/tinyshakespeare/input.txt"  # a UTF-8 text file; with format hf a local json/jsonl, csv,
+    #   parquet, txt or arrow file or a save_to_disk folder, read with Hugging Face datasets (nothing is downloaded)
+    format: str = "text"  # text: path is the corpus itself | hf: path is a table whose text_field column holds the
+    #   documents, joined one after another with a newline
+    text_field: str = "text"  # format hf: the column that holds the text
     tokenizer: str = "char"  # char | bpe
     vocab_size: int | None = None  # bpe only: the size of the learned vocabulary
     val_fraction: float = 0.1  # the last fraction of the tokens is the validation split
@@ -36,11 +41,26 @@ class LMDataConfig:
 
     def __post_init__(self) -> None:
         check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
+        check(self.format in LM_FORMATS, f"data.format must be one of {', '.join(LM_FORMATS)}, got {self.format!r}")
+        check(isinstance(self.text_field, str) and bool(self.text_field),
+              f"data.text_field must name a column, got {self.text_field!r}")
         check(self.order in DATA_ORDERS, f"data.order must be one of {', '.join(DATA_ORDERS)}, got {self.order!r}")
         check(0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         if self.tokenizer == "bpe":
             check(self.vocab_size is not None and self.vocab_size >= 257,
                   f"data.vocab_size must be set to at least 257 for a bpe tokenizer, got {self.vocab_size}")
+
+
+def text_file(data: LMDataConfig, work_dir: Path) -> Path:
+    """The text file the task reads: ``data.path``, or with ``data.format: hf`` the ``data.text_field`` column of
+    the table at ``data.path`` written to ``work_dir/hf/text.txt`` (one document after another, each ending with a
+    newline), so tokenising and the memmap cache (reused while the text is the same) are the text format's."""
+    if data.format != "hf":
+        return Path(data.path)
+    from ..data.hf_datasets import read_texts, write_text
+
+    text = "".join(document + "\n" for document in read_texts(data.path, data.text_field))
+    return write_text(Path(work_dir) / "hf" / "text.txt", text)
 
 
 @TASKS.register("lm")
@@ -61,6 +81,7 @@ class LMTask(Sharded):
 
     data_config_cls = LMDataConfig
     default_family = "gpt"
+    counts_model_tokens = True  # every (x, y) window's tokens run forward and backward: the progress line's MFU
 
     def __init__(self, dataset: TextDataset, *, batch_size: int, seq_len: int, label_smoothing: float = 0.0,
                  eval_batches: int | None = 20, order: str = "random", memory_len: int = 0) -> None:
@@ -91,7 +112,7 @@ class LMTask(Sharded):
         """Tokenizer (trained unless given), token memmaps in ``run_dir/data``, and the model with its
         ``vocab_size`` (and, if unset, ``max_seq_len``) taken from the data. Returns (task, model,
         tokenizer, resolved model section)."""
-        path = Path(data.path)
+        path = text_file(data, Path(run_dir) / "data")
         if tokenizer is None:
             tokenizer = create_tokenizer(data.tokenizer, read_text(path), data.vocab_size)
         dataset = TextDataset.prepare(path, tokenizer, Path(run_dir) / "data", val_fraction=data.val_fraction)

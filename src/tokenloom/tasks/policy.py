@@ -113,17 +113,32 @@ def k3_kl(logp: Tensor, ref_logp: Tensor) -> Tensor:
     return torch.exp(d) - d - 1
 
 
+KL_ESTIMATORS = ("k3", "k1")  # policy_kl's estimators of the sequence KL (see its docstring)
+
+
 @torch.no_grad()
 def policy_kl(policy: nn.Module, reference: nn.Module, tokenizer: Tokenizer,
               prompts: Sequence[str | Sequence[Message]], template: ChatTemplate, samples_per_prompt: int = 4, *,
-              max_new_tokens: int = 64, seed: int = 0, batch_size: int | None = 64,
+              max_new_tokens: int = 64, seed: int = 0, batch_size: int | None = 64, estimator: str = "k3",
               details: dict[str, Any] | None = None) -> float:
     """KL(policy || reference) in nats per sequence, estimated by Monte Carlo over the policy's own samples:
     ``samples_per_prompt`` completions per prompt drawn from the policy at temperature 1 (seeded), each contributing
-    ``sum_t log pi(y_t | ...) - log pi_ref(y_t | ...)`` over its completion tokens (the end marker included), then
-    averaged over every sample. Unbiased for the KL of the completion distribution when no completion is cut at
-    ``max_new_tokens`` (a cut one counts its first ``max_new_tokens`` tokens). ``details``, when given, receives
-    ``kl_std`` (the samples' standard deviation) and ``samples``."""
+    a sum over its completion tokens (the end marker included), then averaged over every sample. Two estimators,
+    both unbiased for the KL of the completion distribution when no completion is cut at ``max_new_tokens`` (a cut
+    one counts its first ``max_new_tokens`` tokens):
+
+    - ``k3`` (the default): ``sum_t k3_kl(logp_t, ref_t)`` = ``sum_t exp(r_t) - r_t - 1`` with ``r_t = log pi_ref -
+      log pi``, each term >= 0 and, given the prefix, of expectation the KL of that token's distribution; so the
+      estimate is never negative, 0 exactly when the two models agree on every sampled token, and of lower variance
+      when the models are close (Schulman 2020; the estimator of GRPO's loss, TRL and DeepSeekMath).
+    - ``k1``: ``sum_t log pi - log pi_ref``, the plain log-ratio: unbiased too, but a single sample's value is
+      negative whenever the reference likes the sample more than the policy does, so on few samples of two close
+      models the mean can come out below 0 (what a ``val_kl`` of -0.003 was).
+
+    ``details``, when given, receives ``kl_std`` (the chosen estimator's standard deviation over the samples),
+    ``samples``, and both estimates (``kl_k3``, ``kl_k1``)."""
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"estimator must be one of {', '.join(KL_ESTIMATORS)}, got {estimator!r}")
     ids_list = [template.encode_prompt(tokenizer, as_messages(p)) for p in prompts]
     repeated = [ids for ids in ids_list for _ in range(samples_per_prompt)]
     rollouts = sample_completions(policy, tokenizer, template, repeated, max_new_tokens=max_new_tokens,
@@ -131,7 +146,7 @@ def policy_kl(policy: nn.Module, reference: nn.Module, tokenizer: Tokenizer,
     rows, trained = rollouts.rows()
     limit = vocabulary_limit(tokenizer, getattr(getattr(policy, "config", None), "vocab_size", None))
     step = batch_size or len(rows)
-    values: list[Tensor] = []
+    values: dict[str, list[Tensor]] = {"k3": [], "k1": []}
     with eval_mode(policy), eval_mode(reference):
         for start in range(0, len(rows), step):
             ids, labels, _ = pad_sequences(rows[start:start + step], trained[start:start + step], tokenizer.pad_id)
@@ -139,10 +154,14 @@ def policy_kl(policy: nn.Module, reference: nn.Module, tokenizer: Tokenizer,
                                         vocab_limit=limit)
             ref = model_token_logprobs(reference, ids.to(device_of(reference)), labels.to(device_of(reference)),
                                        vocab_limit=limit).to(logp.device)
-            values.append((logp - ref).sum(-1).cpu())
-    kl = torch.cat(values)
+            scored = (labels != IGNORE).to(logp.device)
+            values["k3"].append((k3_kl(logp, ref) * scored).sum(-1).cpu())
+            values["k1"].append((logp - ref).sum(-1).cpu())
+    per_sample = {name: torch.cat(parts) for name, parts in values.items()}
+    kl = per_sample[estimator]
     if details is not None:
-        details.update(kl_std=float(kl.std()) if kl.numel() > 1 else 0.0, samples=int(kl.numel()))
+        details.update(kl_std=float(kl.std()) if kl.numel() > 1 else 0.0, samples=int(kl.numel()),
+                       **{f"kl_{name}": float(v.mean()) for name, v in per_sample.items()})
     return float(kl.mean())
 
 

@@ -34,6 +34,7 @@ from ..models.registry import MODELS, decoding_of
 from .preference_data import (
     EncodedItem,
     EpochOrder,
+    MetricWindow,
     PreferenceBatch,
     average_metrics,
     encode_splits,
@@ -127,7 +128,7 @@ def kto_loss(policy: Tensor, ref: Tensor, desirable: Tensor, policy_kl: Tensor, 
 
 @dataclass
 class PreferenceDataConfig:
-    path: str = "data/preferences.jsonl"  # JSONL: {"prompt": str | messages, "chosen": str, "rejected": str} a line
+    path: str = "data/kb/format_dpo.jsonl"  # JSONL: {"prompt": str | messages, "chosen": str, "rejected": str} a line
     #   (data.loss kto also takes {"prompt", "completion", "label": true | false})
     val_path: str | None = None  # a validation file of the same format; None = the last val_fraction of path
     val_fraction: float = 0.1  # without val_path: the last fraction of the lines (at least one) validates
@@ -191,6 +192,8 @@ class PreferenceTask(Sharded):
     data_config_cls = PreferenceDataConfig
     default_family = "gpt"
     needs_reference = True
+    count_unit = "items"  # the progress line's rate: pairs (dpo, ipo) or examples (kto) a second
+    summary_metrics = (("val_loss", 4), ("val_reward_acc", 4), ("val_margin", 4))
 
     def __init__(self, train: list[EncodedItem], val: list[EncodedItem], data: PreferenceDataConfig,
                  reference: Path, pad_id: int | None, *, batch_size: int, eval_batches: int | None,
@@ -203,6 +206,7 @@ class PreferenceTask(Sharded):
         self.reference_model: nn.Module | None = None  # loaded on first use
         self.cache: dict[str, tuple[Tensor, Tensor]] = {}  # split -> ((N, 2) log-prob sums, (N, 2) token counts)
         self.last_metrics: dict[str, float] = {}  # the last training batch's metrics
+        self.window = MetricWindow()  # the training batches' metrics since the last train_metrics()
 
     # -- setup --------------------------------------------------------------------------------------------------
     @classmethod
@@ -334,7 +338,14 @@ class PreferenceTask(Sharded):
         policy, counts = self.policy_logprobs(model, batch)
         loss, metrics = self.objective(policy, counts, ref, ref_counts, batch.desirable)
         self.last_metrics = {k: float(v) for k, v in metrics.items()}
+        self.window.add(self.last_metrics)
         return loss, int(batch.index.shape[0])
+
+    def train_metrics(self) -> dict[str, float]:
+        """The metrics of the training batches since the last call, averaged (each ``metrics.jsonl`` line of a
+        training step, and the progress line, show them): ``chosen_reward``, ``rejected_reward``,
+        ``reward_acc``, ``margin`` (KTO: and ``kl``), the implicit rewards of :meth:`objective`."""
+        return self.window.take()
 
     # -- evaluation ---------------------------------------------------------------------------------------------
     def eval_split_batches(self, split: str = "val") -> int:

@@ -160,6 +160,24 @@ def split_batches(items: Sequence[EncodedItem], rows: int, pad_id: int | None, d
         yield to_device(make_batch(items, range(start, min(start + rows, len(items))), pad_id), device)
 
 
+class MetricWindow:
+    """The training batches' metrics since the last :meth:`take` (a task's ``train_metrics``): each name's mean over
+    the batches that had it."""
+
+    def __init__(self) -> None:
+        self.batches: list[dict[str, float]] = []
+
+    def add(self, metrics: dict[str, float]) -> None:
+        self.batches.append(metrics)
+
+    def take(self) -> dict[str, float]:
+        names = dict.fromkeys(name for metrics in self.batches for name in metrics)
+        out = {name: round(sum(values) / len(values), 6) for name in names
+               if (values := [m[name] for m in self.batches if name in m])}
+        self.batches = []
+        return out
+
+
 def average_metrics(split: str, batches: Iterator[PreferenceBatch],
                     measure: Callable[[PreferenceBatch], dict[str, Any]],
                     progress: Callable[[int], object] | None = None) -> dict[str, float]:

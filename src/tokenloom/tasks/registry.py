@@ -20,6 +20,11 @@ class Sharded:
     #   frozen as the reference (preference alignment, policy optimisation), on resume too
     fresh_weights: tuple[str, ...] = ()  # name prefixes of weights train.init_from may lack (a task's new head, e.g. a
     #   reward model's score_head): they start from their initial values
+    summary_metrics: tuple[tuple[str, int], ...] = (("val_loss", 4), ("val_acc", 2))  # (metric, digits) that
+    #   `tokenloom train`'s last line shows after train_loss, those the run has (GRPO: reward, satisfied, KL)
+    count_unit: str = "tok"  # what loss()'s count counts, as the progress line names its rate (tok/s, img/s, pairs/s)
+    counts_model_tokens: bool = False  # the count is every token the model ran forward and backward over (plain
+    #   language modelling): the progress line estimates the MFU from it (tokenloom.training.progress)
 
     @classmethod
     def model_stand_ins(cls, model: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:

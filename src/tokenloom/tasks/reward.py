@@ -28,6 +28,7 @@ from ..models.reward import SequenceScorer, reward_family
 from .preference_data import (
     EncodedItem,
     EpochOrder,
+    MetricWindow,
     PreferenceBatch,
     average_metrics,
     encode_splits,
@@ -52,7 +53,7 @@ def bradley_terry_loss(chosen: Tensor, rejected: Tensor) -> tuple[Tensor, dict[s
 
 @dataclass
 class RewardDataConfig:
-    path: str = "data/preferences.jsonl"  # JSONL: {"prompt": str | messages, "chosen": str, "rejected": str} a line
+    path: str = "data/kb/format_dpo.jsonl"  # JSONL: {"prompt": str | messages, "chosen": str, "rejected": str} a line
     val_path: str | None = None  # a validation file of the same format; None = the last val_fraction of path
     val_fraction: float = 0.1  # without val_path: the last fraction of the lines (at least one) validates
     template: str = "auto"  # chat template: auto (the checkpoint's recorded one, else default) | default | a Jinja
@@ -74,6 +75,8 @@ class RewardTask(Sharded):
     data_config_cls = RewardDataConfig
     default_family = "gpt_reward"
     fresh_weights = ("score_head.",)
+    count_unit = "pairs"  # the progress line's pairs/s
+    summary_metrics = (("val_loss", 4), ("val_acc", 4), ("val_margin", 4))
 
     def __init__(self, train: list[EncodedItem], val: list[EncodedItem], pad_id: int | None, *, batch_size: int,
                  eval_batches: int | None, seed: int = 0, template: ChatTemplate | None = None) -> None:
@@ -82,6 +85,7 @@ class RewardTask(Sharded):
         self.order = EpochOrder(len(train), seed)
         self.template = template  # the chat template the pairs were encoded with
         self.last_metrics: dict[str, float] = {}
+        self.window = MetricWindow()  # the training batches' metrics since the last train_metrics()
 
     @classmethod
     def setup(cls, data: RewardDataConfig, model_section: dict[str, Any], run_dir: Path, *, batch_size: int,
@@ -136,7 +140,14 @@ class RewardTask(Sharded):
         """(mean pairwise loss, number of pairs)."""
         loss, metrics = self.pair_loss(model, batch)
         self.last_metrics = {k: float(v) for k, v in metrics.items()}
+        self.window.add(self.last_metrics)
         return loss, int(batch.index.shape[0])
+
+    def train_metrics(self) -> dict[str, float]:
+        """The metrics of the training batches since the last call, averaged (each ``metrics.jsonl`` line of a
+        training step, and the progress line, show them): those of :func:`bradley_terry_loss` (``acc``, ``margin``, the
+        scores)."""
+        return self.window.take()
 
     def eval_split_batches(self, split: str = "val") -> int:
         return -(-len(self.splits[split]) // (self.batch_size * self.world_size))

@@ -2,7 +2,8 @@
 only, over conversations rendered with a chat template and, by default, packed several to a row.
 
 Data (``task: sft``): a JSONL file of ``{"messages": [...]}`` or ``{"prompt", "response"}`` lines
-(:func:`~tokenloom.data.chat.read_conversations`), rendered with ``data.template`` (``auto``: the chat template the
+(:func:`~tokenloom.data.chat.read_conversations`; with ``data.format: hf`` a table's rows, read with Hugging Face
+``datasets``), rendered with ``data.template`` (``auto``: the chat template the
 checkpoint records -- an imported model's own -- else the default; ``default``; or a Jinja string). The checkpoint
 records the template used (``tokenizer.chat_template``), so ``tokenloom generate --chat`` and the server's chat
 endpoint render prompts the same way.
@@ -30,9 +31,10 @@ from ..data.chat import (
     chat_template_for,
     read_conversations,
 )
+from ..data.jsonl import record_errors
 from ..data.tokenizers import TOKENIZERS, Tokenizer, create_tokenizer
 from ..devices import device_of
-from ..errors import ConfigError, DataError, TokenizerError
+from ..errors import ConfigError, DataError
 from ..models.factory import create_model
 from ..models.registry import ponders, takes_documents
 from .losses import cross_entropy
@@ -41,13 +43,20 @@ from .sequences import IGNORE, pack_groups, packed_rows, pad_sequences
 from .vocabulary import config_for_tokenizer
 
 Example = tuple[list[int], list[bool]]  # (token ids, trained flags) of one conversation
+SFT_FORMATS = ("jsonl", "hf")
 
 
 @dataclass
 class SFTDataConfig:
     path: str = "data/sft/example.jsonl"  # JSONL conversations: {"messages": [{role, content}, ...]} or
-    #   {"prompt": ..., "response": ...} per line
+    #   {"prompt": ..., "response": ...} per line; with format hf a local json/jsonl, csv, parquet or arrow file or a
+    #   save_to_disk folder, read with Hugging Face datasets (nothing is downloaded)
     val_path: str | None = None  # a validation JSONL; None = the last val_fraction of path's conversations
+    format: str = "jsonl"  # jsonl: path and val_path are JSONL files | hf: tables whose messages_field column (else
+    #   prompt_field and response_field columns) holds the conversations
+    messages_field: str = "messages"  # format hf: the column of [{role, content}, ...] lists
+    prompt_field: str = "prompt"  # format hf, without a messages column: the column of prompts
+    response_field: str = "response"  # format hf, without a messages column: the column of responses
     val_fraction: float = 0.1  # without val_path: this fraction of the conversations (at least one) validates
     template: str = "auto"  # chat template: auto (the checkpoint's recorded one, else default) | default | a Jinja
     #   string (a Hugging Face chat_template)
@@ -58,6 +67,10 @@ class SFTDataConfig:
 
     def __post_init__(self) -> None:
         check(isinstance(self.path, str) and bool(self.path), f"data.path must name a JSONL file, got {self.path!r}")
+        check(self.format in SFT_FORMATS, f"data.format must be one of {', '.join(SFT_FORMATS)}, got {self.format!r}")
+        for name in ("messages_field", "prompt_field", "response_field"):
+            value = getattr(self, name)
+            check(isinstance(value, str) and bool(value), f"data.{name} must name a column, got {value!r}")
         check_choice("data.tokenizer", self.tokenizer, TOKENIZERS)
         check(0.0 < self.val_fraction < 1.0, f"data.val_fraction must be in (0, 1), got {self.val_fraction}")
         check(isinstance(self.template, str) and bool(self.template),
@@ -88,10 +101,8 @@ def encode_examples(conversations: Sequence[Conversation], template: ChatTemplat
     examples: list[Example] = []
     truncated = dropped = 0
     for conv in conversations:
-        try:
+        with record_errors(conv.where):
             ids, trained = template.encode(tokenizer, conv.messages)
-        except TokenizerError as err:
-            raise TokenizerError(f"{conv.where}: {err}") from None
         if len(ids) > seq_len:
             truncated += 1
             ids, trained = ids[:seq_len], trained[:seq_len]
@@ -102,14 +113,27 @@ def encode_examples(conversations: Sequence[Conversation], template: ChatTemplat
     return examples, truncated, dropped
 
 
+def data_conversations(data: SFTDataConfig, path: str, setting: str = "data.path") -> list[Conversation]:
+    """The conversations of ``path``: its JSONL lines, or with ``data.format: hf`` the rows of the table there
+    (:func:`~tokenloom.data.hf_datasets.read_conversation_records`), each read as a JSONL line is."""
+    if data.format != "hf":
+        return read_conversations(path)
+    from ..data.chat import parse_conversation
+    from ..data.hf_datasets import read_conversation_records
+
+    return [parse_conversation(record, where) for where, record in read_conversation_records(
+        path, messages_field=data.messages_field, prompt_field=data.prompt_field,
+        response_field=data.response_field, setting=setting)]
+
+
 def split_conversations(data: SFTDataConfig) -> tuple[list[Conversation], list[Conversation], list[Conversation]]:
     """(all of ``data.path``'s conversations used, the training ones, the validation ones: ``data.val_path``'s, or
     the last ``val_fraction`` of the file, at least one)."""
-    conversations = read_conversations(data.path)
+    conversations = data_conversations(data, data.path)
     if data.max_examples is not None:
         conversations = conversations[:data.max_examples]
     if data.val_path is not None:
-        return conversations, conversations, read_conversations(data.val_path)
+        return conversations, conversations, data_conversations(data, data.val_path, "data.val_path")
     if len(conversations) < 2:
         raise DataError(f"{data.path}: one conversation cannot be split into training and validation "
                         "(add lines or set data.val_path)")

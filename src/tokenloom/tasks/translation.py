@@ -15,6 +15,7 @@ beam search), batching sentences of similar length.
 from __future__ import annotations
 
 import math
+import tempfile
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -35,13 +36,15 @@ from .losses import cross_entropy
 from .registry import TASKS, Sharded
 
 DEFAULT_BEAM = 5  # translate()'s beam, and the CLI's (translate, evaluate, distill): the README's BLEU is beam 5
+TRANSLATION_FORMATS = ("text", "hf")
 TEACHER_FORCED = ("encoder_decoder", "semi_autoregressive")  # the decoding kinds this task trains: model(source,
 #   target_in) gives the logits of target_out
 
 
 @dataclass
 class TranslationDataConfig:
-    dir: str = "data/multi30k"  # folder holding <split>.<lang> files
+    dir: str = "data/multi30k"  # folder holding <split>.<lang> files; with format hf, each split as a local
+    #   <split>.parquet | .jsonl | .json | .csv | .arrow file or save_to_disk folder, or a save_to_disk DatasetDict
     source_lang: str = "de"  # the source files' suffix: <split>.de
     target_lang: str = "en"  # the target files' suffix: <split>.en
     train: str = "train"  # split names (file stems)
@@ -55,8 +58,19 @@ class TranslationDataConfig:
     bleu: bool = True  # decode the validation sources at each evaluation and report val_bleu
     bleu_beam: int = 1  # beam size of that decoding (1 = greedy)
     bleu_sentences: int | None = None  # decode only the first N validation sentences (None = all)
+    format: str = "text"  # text: line-aligned <split>.<lang> files | hf: tables read with Hugging Face datasets
+    #   (nothing is downloaded), their pairs written as such files under the run's data folder
+    source_field: str = "source"  # format hf: the column of source sentences
+    target_field: str = "target"  # format hf: the column of target sentences
+    translation_field: str = "translation"  # format hf, without source_field/target_field columns: a column of
+    #   {language: sentence} mappings (Hugging Face's wmt layout), read at source_lang and target_lang
 
     def __post_init__(self) -> None:
+        check(self.format in TRANSLATION_FORMATS,
+              f"data.format must be one of {', '.join(TRANSLATION_FORMATS)}, got {self.format!r}")
+        for name in ("source_field", "target_field", "translation_field"):
+            value = getattr(self, name)
+            check(isinstance(value, str) and bool(value), f"data.{name} must name a column, got {value!r}")
         check(self.vocab_size >= 260, f"data.vocab_size must be at least 260, got {self.vocab_size}")
         check(self.max_tokens >= 16, f"data.max_tokens must be at least 16, got {self.max_tokens}")
         check(self.empty_lines in ("error", "skip"), f"data.empty_lines must be 'error' or 'skip', got "
@@ -68,6 +82,29 @@ class TranslationDataConfig:
     def files(self, split: str) -> tuple[Path, Path]:
         root = Path(self.dir)
         return root / f"{split}.{self.source_lang}", root / f"{split}.{self.target_lang}"
+
+    def aligned_files(self, split: str, work_dir: Path) -> tuple[Path, Path]:
+        """The (source, target) files of ``split``: :meth:`files`, or with ``format: hf`` the split's pairs
+        (:func:`~tokenloom.data.hf_datasets.read_pairs`) written as line-aligned ``work_dir/hf/<split>.<lang>`` files
+        (a line break inside a sentence made a space), which the text format's readers and caches then take."""
+        if self.format != "hf":
+            return self.files(split)
+        from ..data.hf_datasets import one_line, read_pairs, split_table, write_text
+
+        setting = "data.train" if split == self.train else "data.valid" if split == self.valid else "data.test"
+        pairs = read_pairs(split_table(self.dir, split, setting), source_field=self.source_field,
+                           target_field=self.target_field, translation_field=self.translation_field,
+                           source_lang=self.source_lang, target_lang=self.target_lang)
+        folder = Path(work_dir) / "hf"
+        return tuple(write_text(folder / f"{split}.{lang}", "".join(one_line(pair[side]) + "\n" for pair in pairs))
+                     for side, lang in enumerate((self.source_lang, self.target_lang)))
+
+    def read_pairs(self, split: str) -> list[tuple[str, str]]:
+        """The (source, target) sentences of ``split`` in either format (empty ones as ``empty_lines`` says)."""
+        if self.format != "hf":
+            return read_parallel(*self.files(split), empty_lines=self.empty_lines)
+        with tempfile.TemporaryDirectory(prefix="tokenloom-hf-") as tmp:
+            return read_parallel(*self.aligned_files(split, Path(tmp)), empty_lines=self.empty_lines)
 
     @property
     def splits(self) -> list[str]:
@@ -139,10 +176,11 @@ class TranslationTask(Sharded):
                      tokenizer: Tokenizer | None) -> tuple[Tokenizer, ParallelDataset]:
         """The tokenizer (a joint BPE trained on the training pairs unless given) and every split encoded
         under ``run_dir/data``."""
+        files = {split: data.aligned_files(split, Path(run_dir) / "data") for split in data.splits}
         if tokenizer is None:
-            pairs = read_parallel(*data.files(data.train), empty_lines=data.empty_lines)
+            pairs = read_parallel(*files[data.train], empty_lines=data.empty_lines)
             tokenizer = Tokenizer.train_joint_bpe([text for pair in pairs for text in pair], data.vocab_size)
-        dataset = ParallelDataset.prepare({split: data.files(split) for split in data.splits}, tokenizer,
+        dataset = ParallelDataset.prepare(files, tokenizer,
                                           Path(run_dir) / "data", max_source_len=data.max_source_len,
                                           max_target_len=data.max_target_len, empty_lines=data.empty_lines,
                                           train_splits=(data.train,))
@@ -329,7 +367,7 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
               no_repeat_ngram_size: int = 0, truncate: bool = True, iterations: int | None = None,
               length_beam: int | None = None, rescorer: nn.Module | None = None,
               progress: Callable[[int], object] | None = None, rounds: list[int] | None = None,
-              speculation: Speculation | None = None) -> list[str]:
+              speculation: Speculation | None = None, counts: TokenCounts | None = None) -> list[str]:
     """Translate ``sentences`` (in order) with an encoder-decoder: beam search with ``beam`` beams (default
     :data:`DEFAULT_BEAM`, 5, as ``tokenloom translate``; ``beam=1`` is greedy); a non-autoregressive model
     (:mod:`tokenloom.models.nat`) decodes in parallel instead, with the options its kind takes
@@ -347,7 +385,8 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
     them: a parallel model's (:func:`tokenloom.generation.nat.nat_decode`), a semi-autoregressive one's steps.
     ``speculation`` (greedy autoregressive decoding only): speculative decoding of each batch
     (:class:`Speculation`: a draft encoder-decoder, bound to the same sources, or prompt lookup over the source and
-    the output), the same translations.
+    the output), the same translations. ``counts``, when given, gets the sentences, source and new tokens added
+    (:class:`TokenCounts`).
     """
     from ..nn.modes import eval_mode
 
@@ -378,9 +417,27 @@ def translate(model: nn.Module, tokenizer: Tokenizer, sentences: list[str], *, b
             outputs = decode_batch(model, source, mask, request)
             for i, tokens in zip(chunk, outputs, strict=True):
                 results[i] = tokenizer.decode(tokens).strip()
+            if counts is not None:
+                counts.add(len(chunk), sum(len(encoded[i]) for i in chunk), sum(len(t) for t in outputs))
             if progress is not None:
                 progress(len(chunk))
     return results
+
+
+@dataclass
+class TokenCounts:
+    """What :func:`translate` read and wrote, added up over the calls it is given to: ``sentences`` translated,
+    ``source_tokens`` (each source's end-of-sentence token included, no padding) and ``new_tokens`` (the tokens of
+    the translations, as decoded: no end-of-sentence token)."""
+
+    sentences: int = 0
+    source_tokens: int = 0
+    new_tokens: int = 0
+
+    def add(self, sentences: int, source_tokens: int, new_tokens: int) -> None:
+        self.sentences += sentences
+        self.source_tokens += source_tokens
+        self.new_tokens += new_tokens
 
 
 class BatchRequest(NamedTuple):

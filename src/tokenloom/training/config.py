@@ -40,6 +40,7 @@ from ..packaged import resolve_recipe, where_bundled
 from ..tasks import TASKS
 from .distributed import BACKENDS, STRATEGIES
 from .schedules import SCHEDULES
+from .tensorboard_log import LOG_TARGETS
 
 
 @dataclass
@@ -139,11 +140,15 @@ class TrainConfig:
     eval_every: int = 250  # steps between validation runs (0 = only at the end)
     eval_batches: int = 20  # validation batches per evaluation
     checkpoint_every: int = 500  # steps between checkpoints (0 = only at the end)
-    log_every: int = 10  # steps between metric lines in metrics.jsonl
+    log_every: int = 5  # steps between metric lines: metrics.jsonl, TensorBoard (log_to) and the progress line on
+    #   stderr (a tqdm bar in a terminal, else one line: step, loss, lr, ms/step, tokens/s, MFU, ETA, the task's own)
+    log_to: list[str] | str = field(default_factory=list)  # where the metric lines also go: [tensorboard] writes
+    #   TensorBoard scalars (and text samples) to <run>/tensorboard (the tensorboard extra); [] = metrics.jsonl only
     seed: int = 1337  # model init, data order, dropout
     threads: int | None = None  # torch intra-op threads; None = torch's default
     max_minutes: float | None = None  # stop (and checkpoint) after this much training time
-    stop_after_steps: int | None = None  # end this run after N steps; resume later (the schedule spans max_steps)
+    stop_after_steps: int | None = None  # stop after N more steps in this invocation (a --resume counts from the
+    #   step it resumes at; the run records the key, so each resume runs N more); the schedule still spans max_steps
     init_from: str | None = None  # fine-tune: start from this checkpoint's weights, tokenizer and model settings
     keep_best: str | None = None  # also keep <run>/best: the checkpoint with the best value of this eval metric
     #   (e.g. val_bleu, val_acc: higher is better; val_loss / val_ppl: lower is better)
@@ -183,6 +188,7 @@ class TrainConfig:
               and self.max_nonfinite >= 0,
               f"train.max_nonfinite must be an integer >= 0 (0 = never stop), got {self.max_nonfinite!r}")
         check_choice("train.schedule", self.schedule, SCHEDULES)
+        self.log_to = check_log_to(self.log_to)
         for name, known in (("strategy", STRATEGIES), ("backend", BACKENDS)):
             value = getattr(self, name)
             check(value in known, f"train.{name} must be one of {', '.join(known)}, got {value!r}"
@@ -194,6 +200,17 @@ class TrainConfig:
         if self.min_lr is None:
             self.min_lr = self.lr / 10
         check(0 <= self.min_lr <= self.lr, f"train.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+
+
+def check_log_to(value: list[str] | str) -> list[str]:
+    """``train.log_to`` as a list of known targets (a string names one; ``none`` or empty: none), or a one-line
+    error naming the field, the value and what is allowed."""
+    targets = [value] if isinstance(value, str) else list(value)
+    targets = [target for target in targets if target not in ("", "none")]
+    for target in targets:
+        check(target in LOG_TARGETS, f"train.log_to must list targets of {', '.join(LOG_TARGETS)} (or be empty), "
+                                     f"got {value!r}{did_you_mean(str(target), LOG_TARGETS)}")
+    return list(dict.fromkeys(targets))
 
 
 SEED_LIMIT = 2 ** 64  # torch.Generator.manual_seed takes seeds in [0, 2^64) (and [-2^63, 0), which is refused here)

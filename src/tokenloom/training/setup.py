@@ -17,7 +17,7 @@ from ..checkpoint import (
     refuse_quantized,
     resolve_checkpoint,
 )
-from ..errors import CheckpointError, ChecksumError, ConfigError
+from ..errors import CheckpointError, ChecksumError, ConfigError, VocabularyError
 from ..nn.lora import is_adapter
 from ..tasks import TASKS
 from .config import RunConfig
@@ -51,6 +51,9 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
         refuse_quantized(checkpoint, "resuming a run")
         tokenizer = load_tokenizer(checkpoint) if uses_tokenizer else None
     elif t.init_from:
+        if not Path(t.init_from).exists():
+            raise CheckpointError(f"train.init_from: checkpoint not found: {t.init_from} (train that run first, or "
+                                  "--set train.init_from=CHECKPOINT)")
         checkpoint = resolve_checkpoint(t.init_from)
         refuse_quantized(checkpoint, "train.init_from (fine-tuning)")
         tokenizer = load_tokenizer(checkpoint) if uses_tokenizer else None
@@ -67,10 +70,18 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
     if dist.active and not dist.is_main:
         tokenizer = dist.broadcast_object(None)  # waits until rank 0 has prepared the data
     extra = {"reference": t.init_from} if task_cls.needs_reference else {}  # the frozen reference's weights
-    task, model, tokenizer, section = task_cls.setup(
-        config.data_config, model_section, run_dir, batch_size=t.batch_size, seq_len=t.seq_len,
-        label_smoothing=t.label_smoothing, eval_batches=t.eval_batches, tokenizer=tokenizer, seed=t.seed, **extra,
-        **({"scheduled_sampling": t.scheduled_sampling} if t.scheduled_sampling.schedule != "none" else {}))
+    try:
+        task, model, tokenizer, section = task_cls.setup(
+            config.data_config, model_section, run_dir, batch_size=t.batch_size, seq_len=t.seq_len,
+            label_smoothing=t.label_smoothing, eval_batches=t.eval_batches, tokenizer=tokenizer, seed=t.seed, **extra,
+            **({"scheduled_sampling": t.scheduled_sampling} if t.scheduled_sampling.schedule != "none" else {}))
+    except VocabularyError as err:  # the data has characters the given tokenizer lacks: name what fixed it
+        if tokenizer is None:
+            raise
+        fixed = "the resumed run's checkpoint fixes the tokenizer: resume on the data it trained on" if resume else (
+            f"train.init_from={t.init_from} fixes the tokenizer: start from a model trained on data that has these "
+            "characters")
+        raise VocabularyError(f"{err}; {fixed}") from None
     if dist.active and dist.is_main:
         dist.broadcast_object(tokenizer)
     if sized_by_data:  # (every rank: each refuses alike)

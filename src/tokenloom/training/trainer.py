@@ -3,9 +3,9 @@
 The task supplies batches, the loss and the evaluation (``tasks/``); the Trainer owns the loop:
 AdamW with decay/no-decay groups, a warmup + decay schedule, gradient accumulation and clipping,
 bf16 autocast, periodic evaluation, atomic checkpoints, exact resume, a clean stop on Ctrl-C, a
-progress bar and ``metrics.jsonl`` in the run directory. Under torchrun it is one of several processes
-(``train.strategy`` ddp / fsdp, see ``distributed.py``): each trains on its slice of the global batch,
-rank 0 logs and writes the checkpoints.
+progress line (``progress.py``), ``metrics.jsonl`` in the run directory (and TensorBoard: ``tensorboard_log.py``).
+Under torchrun it is one of several processes (``train.strategy`` ddp / fsdp, see ``distributed.py``): each trains
+on its slice of the global batch, rank 0 logs and writes the checkpoints.
 """
 
 from __future__ import annotations
@@ -30,7 +30,6 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
-from tqdm.auto import tqdm
 
 from ..checkpoint import STATE_FILE, read_config, resolve_checkpoint, write_checkpoint
 from ..devices import peak_memory, to_device, training_device
@@ -46,7 +45,9 @@ from .config import RunConfig, TrainConfig
 from .distributed import SINGLE, Distributed
 from .optim import create_optimizer, load_named_optimizer_state, named_optimizer_state
 from .precision import MasterWeights, autocast
+from .progress import progress_mode, training_progress
 from .schedules import ScheduleSpec, kept_schedule_notice
+from .tensorboard_log import TensorBoardLog, check_tensorboard, forget_earlier_run
 
 HISTORY_DIR = "history"  # <run>/history/step-NNNNNNNN: earlier checkpoints (train.keep_checkpoints > 1)
 METRICS_FILE = "metrics.jsonl"  # <run>/metrics.jsonl: one JSON object a line, each with the step it was logged at
@@ -186,6 +187,9 @@ class Trainer:
         self._stop_requested = False
         self.notices: list[str] = []  # one-line notes for the user (a resume that keeps the run's schedule)
         self._scope: dict[str, int] | None = None  # how much of the validation split an evaluation reads
+        self.tensorboard: TensorBoardLog | None = None  # train.log_to tensorboard: open during fit()
+        if "tensorboard" in t.log_to and dist.is_main:
+            check_tensorboard()  # a missing package: one line now, not after the data is prepared
 
     # -- checkpoints --------------------------------------------------------------------------
     @property
@@ -450,6 +454,34 @@ class Trainer:
         path = self.run_dir / METRICS_FILE
         with self._disk(path), open(path, "a") as fh:
             fh.write(json.dumps(record) + "\n")
+        if self.tensorboard is not None:
+            self.tensorboard.record(record)
+
+    @contextlib.contextmanager
+    def _tensorboard_log(self) -> Iterator[None]:
+        """``train.log_to: [tensorboard]``: the event writer, open while :meth:`fit` runs (rank 0). A resume hides the
+        events logged after its checkpoint (as :meth:`_start_metrics` drops those lines); a fresh run replaces an
+        earlier run's event files."""
+        if "tensorboard" not in self.config.train.log_to or not self.dist.is_main:
+            yield
+            return
+        with self._disk(self.run_dir):
+            if self.saved_step is None:
+                forget_earlier_run(self.run_dir)  # (its metrics.jsonl is replaced too, with a warning)
+            self.tensorboard = TensorBoardLog(self.run_dir, None if self.saved_step is None else self.saved_step + 1)
+        try:
+            yield
+        finally:
+            self.tensorboard.close()
+            self.tensorboard = None
+
+    def log_text(self, tag: str, text: str) -> None:
+        """A text sample (``tokenloom train --sample``'s) at the current step, to TensorBoard when ``train.log_to``
+        names it (rank 0); otherwise nothing."""
+        if "tensorboard" in self.config.train.log_to and self.dist.is_main:
+            log = TensorBoardLog(self.run_dir)
+            log.text(tag, text, self.step)
+            log.close()
 
     def _start_metrics(self) -> None:
         """Make ``metrics.jsonl`` this run's story up to now, before the first line is logged: a fresh run (no
@@ -648,13 +680,13 @@ class Trainer:
         self._wrap_for_training()
         self.model.train()
         start_step, start_time = self.step, time.perf_counter()
-        bar = tqdm(total=t.max_steps, initial=self.step,
-                   disable=self.show_progress is False or not self.dist.is_main or None,
-                   dynamic_ncols=True, desc="train")
-        window_tokens, window_start, loss = 0, time.perf_counter(), float("nan")
+        progress = training_progress(progress_mode(self.show_progress, self.dist.is_main), t, self.task,
+                                     self.model_section, self.parameter_counts[1], self.device, self.dist.world_size,
+                                     start_step)
+        window_tokens, window_start, window_step, loss = 0, time.perf_counter(), self.step, float("nan")
         stopped_by = "max_steps"
         failure: TrainingError | None = None
-        with self._graceful_interrupt():
+        with self._graceful_interrupt(), self._tensorboard_log():
             while self.step < t.max_steps:
                 step_before, skipped_before = self.step, self.nonfinite_steps
                 try:
@@ -673,24 +705,28 @@ class Trainer:
                     continue
                 window_tokens += tokens
                 self.tokens_seen += tokens
-                bar.update(1)
+                progress.advance()
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
-                    elapsed = time.perf_counter() - window_start
-                    tps = window_tokens / max(elapsed, 1e-9)
-                    lr = self.scheduler.get_last_lr()[0]
-                    self._log({"step": self.step, "loss": round(loss, 7), "lr": lr, "tokens_per_s": round(tps, 1),
-                               "elapsed_s": round(time.perf_counter() - start_time, 2),
-                               **self.task.train_metrics()})  # the task's own (GRPO: reward, kl, ...)
-                    bar.set_postfix(loss=f"{loss:.3f}", lr=f"{lr:.2e}", tok_s=f"{tps:,.0f}")
-                    window_tokens, window_start = 0, time.perf_counter()
+                    # the window's training time only: evaluations and checkpoints are left out of its rates
+                    elapsed = max(time.perf_counter() - window_start, 1e-9)
+                    record = {"step": self.step, "loss": round(loss, 7), "lr": self.scheduler.get_last_lr()[0],
+                              "tokens_per_s": round(window_tokens / elapsed, 1),
+                              "ms_per_step": round(1000 * elapsed / max(self.step - window_step, 1), 2),
+                              "elapsed_s": round(time.perf_counter() - start_time, 2),
+                              **self.task.train_metrics()}  # the task's own (GRPO: reward, kl, ...)
+                    self._log(record)
+                    progress.show(record)
+                    window_tokens, window_start, window_step = 0, time.perf_counter(), self.step
+                paused = time.perf_counter()
                 if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
                     metrics = self.evaluate()
                     if self.dist.is_main:
                         shown = {k: v for k, v in metrics.items() if k.startswith("val_") and not k.endswith("ppl")}
-                        bar.write(f"step {self.step}: " + "  ".join(f"{scoped_name(k, metrics)} {v:.4f}"
-                                                                    for k, v in shown.items()))
+                        progress.note(f"step {self.step}: " + "  ".join(f"{scoped_name(k, metrics)} {v:.4f}"
+                                                                       for k, v in shown.items()))
                 if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.max_steps:
                     self.save()
+                window_start += time.perf_counter() - paused
                 interrupted, out_of_time = self._agree(
                     self._stop_requested,
                     t.max_minutes is not None and time.perf_counter() - start_time > 60 * t.max_minutes)
@@ -703,7 +739,7 @@ class Trainer:
                 if out_of_time:
                     stopped_by = "max_minutes"
                     break
-            bar.close()
+            progress.close()
             if self.master is not None:  # evaluate, save and hand back the model in float32
                 self.master.to_fp32()
             metrics = self.evaluate() if stopped_by not in ("interrupt", "non_finite") else dict(self.last_eval)

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import html
+
 from fastapi import APIRouter
 from fastapi import Request as HTTPRequest
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse
@@ -23,7 +25,7 @@ def add_routes(router: APIRouter) -> None:
 
 async def playground(request: HTTPRequest):
     state = server_state(request)
-    return HTMLResponse(PLAYGROUND_HTML.replace("{{MODEL}}", state.config.model_name)
+    return HTMLResponse(PLAYGROUND_HTML.replace("{{MODEL}}", html.escape(state.config.model_name))
                         .replace("{{KIND}}", "lm" if state.is_lm else "translation"))
 
 
