@@ -16,6 +16,7 @@ from tokenloom.models.sizes import model_parts, parameter_count
     {"family": "gpt"},
     {"family": "gpt", "position": "rope", "mlp": "swiglu", "num_kv_heads": 2, "tie_embeddings": False},
     {"family": "gpt", "position": "sinusoidal", "vocab_size": 5000, "num_layers": 2, "attention": "performer"},
+    {"family": "gpt", "position": "rope", "mlp": "relu2", "qk_norm": True, "logit_softcap": 15.0},
     {"family": "seq2seq", "encoder_layers": 2, "decoder_layers": 2},
     {"family": "seq2seq", "share_embeddings": False, "tie_embeddings": False, "position": "learned",
      "encoder_layers": 1, "decoder_layers": 1},

@@ -50,9 +50,11 @@ def test_the_static_cache_strategy_equals_the_uncached_forward(position):
     torch.testing.assert_close(logits, reference, rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("position", ["learned", "rope", "alibi"])
-def test_compiled_decoding_compiles_once_and_gives_the_eager_tokens(counting, position):
-    model = small_model(position=position)
+@pytest.mark.parametrize("options", [dict(position="learned"), dict(position="rope"), dict(position="alibi"),
+                                     dict(position="rope", qk_norm=True, logit_softcap=2.0, mlp="relu2")],
+                         ids=["learned", "rope", "alibi", "speedrun"])
+def test_compiled_decoding_compiles_once_and_gives_the_eager_tokens(counting, options):
+    model = small_model(**options)
     ids, mask = left_pad([torch.randint(0, 40, (7,)), torch.randint(0, 40, (3,)), torch.randint(0, 40, (5,))])
     eager = generate(model, ids, GenerationConfig(max_new_tokens=20, **GREEDY), attention_mask=mask)
     out = generate(model, ids, GenerationConfig(max_new_tokens=20, compile=True, **GREEDY), attention_mask=mask)

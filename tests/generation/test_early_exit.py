@@ -105,10 +105,11 @@ def test_threshold_one_is_the_full_model_bit_for_bit(position):
     assert tally.positions == 11 and tally.mean_layers == L  # the steps after the prefill's token
 
 
-@pytest.mark.parametrize(("position", "placement", "batch"),
-                         [("learned", "pre", 1), ("rope", "pre", 1), ("learned", "post", 1), ("learned", "pre", 2)])
-def test_cached_decoding_equals_the_whole_sequence_pass(position, placement, batch):
-    model = exit_model(position=position, norm_placement=placement)
+@pytest.mark.parametrize(("position", "placement", "batch", "options"),
+                         [("learned", "pre", 1, {}), ("rope", "pre", 1, {}), ("learned", "post", 1, {}),
+                          ("learned", "pre", 2, {}), ("rope", "pre", 1, dict(qk_norm=True, logit_softcap=3.0))])
+def test_cached_decoding_equals_the_whole_sequence_pass(position, placement, batch, options):
+    model = exit_model(position=position, norm_placement=placement, **options)
     ids = torch.randint(0, 40, (batch, 16), generator=torch.Generator().manual_seed(3))
     heads = trained_heads(model) if placement == "pre" else None
     threshold = midway_threshold(model, ids, heads)

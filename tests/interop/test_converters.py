@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from tokenloom.errors import ConfigError
 from tokenloom.interop import HF_CONVERTERS, OPS, Rule, converter_for, find_converter, hf_to_ours, ours_to_hf
-from tokenloom.interop.hf import _meta_state
+from tokenloom.interop.hf import _meta_state, export_hf
 from tokenloom.models.gpt import GPT, GPTConfig
 
 CONFIGS = {
@@ -87,6 +89,20 @@ def test_export_layout_follows_the_options() -> None:
         converter_for("gpt", GPTConfig(position="alibi"))
     assert "GPT2LMHeadModel" in str(err.value) and "LlamaForCausalLM" in str(err.value)
     assert "position='alibi'" in str(err.value) and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("base, options, named", [
+    ("gpt2", dict(qk_norm=True), "qk_norm=True"), ("gpt2", dict(logit_softcap=30.0), "logit_softcap=30.0"),
+    ("llama", dict(qk_norm=True), "qk_norm=True")], ids=["qk_norm", "softcap", "llama-qk_norm"])
+def test_speedrun_options_are_refused_in_one_line_by_every_exporter(base, options, named, tmp_path) -> None:
+    # the weights alone would convert (softcap) or lose the q/k norms: a silently wrong file either way
+    config = dataclasses.replace(CONFIGS[base], **options)
+    with pytest.raises(ConfigError) as err:
+        converter_for("gpt", config)
+    assert named in str(err.value) and "GPT2LMHeadModel" in str(err.value) and "\n" not in str(err.value)
+    with pytest.raises(ConfigError, match=named.split("=")[0]):
+        export_hf(GPT(config), tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 def test_bias_free_gpt_exports_zero_biases_and_refuses_non_zero_ones() -> None:

@@ -26,7 +26,8 @@ def test_causality(position, placement):
 
 
 @pytest.mark.parametrize("kw", [dict(mlp="swiglu", norm="rmsnorm", bias=False), dict(num_kv_heads=1),
-                                dict(mlp="relu", tie_embeddings=False), dict(gradient_checkpointing=True)])
+                                dict(mlp="relu", tie_embeddings=False), dict(gradient_checkpointing=True),
+                                dict(mlp="relu2", qk_norm=True, logit_softcap=3.0, position="rope")])
 def test_variants_run_and_backprop(kw):
     model = small(**kw).train()
     x = torch.randint(0, 40, (2, 10))
@@ -133,3 +134,42 @@ def test_bf16_logits_are_within_tolerance_of_fp32(attention):
     for logits in (low, autocast):
         assert (logits - reference).abs().max() < 0.05 * reference.std()
         assert (logits.argmax(-1) == reference.argmax(-1)).float().mean() >= 0.95
+
+
+def test_relu2_mlp_is_relu_squared_between_the_two_layers():
+    mlp = small(mlp="relu2").blocks[0].mlp
+    x = torch.randn(2, 5, 32)
+    with torch.no_grad():
+        expected = mlp.fc_out(torch.relu(mlp.fc_in(x)) ** 2)
+        torch.testing.assert_close(mlp(x), expected)
+        torch.testing.assert_close(mlp.inference_function()(x), expected)
+
+
+def test_logit_softcap_bounds_the_logits_and_equals_the_formula():
+    torch.manual_seed(0)
+    plain = small(tie_embeddings=False)
+    capped = small(tie_embeddings=False, logit_softcap=0.05)
+    capped.load_state_dict(plain.state_dict())  # the cap adds no parameters
+    x = torch.randint(0, 40, (2, 10))
+    with torch.no_grad():
+        raw, logits = plain(x), capped(x)
+        cache = capped.create_cache(2)
+        stepped = torch.cat([capped(x[:, :4], cache=cache)] + [capped(x[:, t:t + 1], cache=cache)
+                                                               for t in range(4, 10)], dim=1)
+    assert logits.abs().max() < 0.05 < raw.abs().max()
+    torch.testing.assert_close(logits, 0.05 * torch.tanh(raw / 0.05))
+    torch.testing.assert_close(stepped, logits)  # cached (the plain step head) == uncached
+
+
+def test_qk_norm_normalises_each_head_and_adds_only_the_norm_weights():
+    plain, normed = small(norm="rmsnorm"), small(norm="rmsnorm", qk_norm=True)
+    extra = sum(p.numel() for p in normed.parameters()) - sum(p.numel() for p in plain.parameters())
+    assert extra == 2 * 2 * normed.config.head_dim  # q and k norms over head_dim, in each of 2 layers
+    assert plain.blocks[0].attn.q_norm is None
+    assert small(qk_norm=True).blocks[0].attn.q_norm.weight.shape == (8,)
+
+
+@pytest.mark.parametrize("cap", [0, -1.0])
+def test_a_bad_logit_softcap_is_a_config_error_naming_it(cap):
+    with pytest.raises(ConfigError, match=f"logit_softcap.*{cap}"):
+        GPTConfig(logit_softcap=cap)

@@ -103,7 +103,7 @@ def test_decode_linear_runs_plain_linear_for_autograd_and_autocast():
 
 def blocks():
     for placement in ("pre", "post"):
-        for mlp in ("gelu", "gelu_tanh", "relu", "silu", "swiglu"):
+        for mlp in ("gelu", "gelu_tanh", "relu", "relu2", "silu", "swiglu"):
             for cross in (False, True):
                 yield placement, mlp, cross
 

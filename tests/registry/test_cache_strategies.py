@@ -60,9 +60,25 @@ STRATEGIES = {"dense": _dense, "static": _static, "ragged": _ragged}
 @pytest.mark.parametrize("position", POSITIONS.names())
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_strategy_decodes_what_the_uncached_forward_computes(strategy, position, hooked):
+    _check_strategy(strategy, hooked, position=position)
+
+
+# model options that act inside attention or on the head: every strategy and both step paths must apply them
+OPTIONS = {"qk_norm": dict(position="rope", qk_norm=True), "qk_norm-learned": dict(qk_norm=True, norm="rmsnorm"),
+           "softcap": dict(position="rope", logit_softcap=0.5), "relu2": dict(mlp="relu2")}
+
+
+@pytest.mark.parametrize("hooked", [False, True], ids=["plain", "modules"])
+@pytest.mark.parametrize("options", OPTIONS)
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_a_strategy_decodes_what_the_uncached_forward_computes_with_model_options(strategy, options, hooked):
+    _check_strategy(strategy, hooked, **OPTIONS[options])
+
+
+def _check_strategy(strategy: str, hooked: bool, **options) -> None:
     torch.manual_seed(0)
     model = GPT(GPTConfig(vocab_size=41, num_layers=2, num_heads=4, num_kv_heads=2, embed_dim=32, max_seq_len=32,
-                          position=position, tie_embeddings=False)).eval()
+                          tie_embeddings=False, **options)).eval()
     ids = torch.randint(0, 41, (3, 12))
     handle = model.blocks[1].attn.register_forward_hook(lambda *a: None) if hooked else None
     with torch.no_grad():

@@ -353,7 +353,7 @@ def test_a_resume_with_a_larger_max_steps_keeps_the_schedule_and_says_so(tmp_pat
     assert first.notices == [] and first.step == 4
     state = torch.load(tmp_path / "r" / "checkpoint" / "trainer_state.pt", weights_only=True)
     assert state["schedule"] == {"schedule": "cosine", "lr": 3e-3, "min_lr": pytest.approx(3e-4), "warmup_steps": 2,
-                                 "max_steps": 12}
+                                 "max_steps": 12, "decay_fraction": 0.2}
     resumed, _ = run(cfg, tmp_path / "r", resume=True, overrides=["train.max_steps=20"])  # steps 5-8
     assert resumed.notices == [
         "note: resuming keeps the learning-rate schedule of the first run (max_steps 12 -> 20: steps after 12 run "

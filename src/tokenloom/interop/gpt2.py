@@ -15,7 +15,7 @@ from typing import Any
 
 from ..errors import ConfigError
 from ..models.gpt import GPTConfig
-from .hf import HF_CONVERTERS, HFConverter, Rule, per_layer, rule
+from .hf import HF_CONVERTERS, HFConverter, Rule, per_layer, rule, speedrun_problems
 
 # tokenloom mlp name -> HF activation_function (GPT-2's own is gelu_new, the tanh approximation)
 _ACTIVATION_TO_HF = {"gelu_tanh": "gelu_new", "gelu": "gelu", "relu": "relu"}
@@ -82,6 +82,7 @@ class GPT2Converter(HFConverter):
             problems.append(f"num_kv_heads={config.num_kv_heads} (GPT-2 has num_kv_heads == num_heads)")
         if config.attention_window is not None:
             problems.append(f"attention_window={config.attention_window} (GPT-2 attends to the whole context)")
+        problems += speedrun_problems(config, "GPT-2")
         if problems:
             raise ConfigError("GPT-2 cannot express " + "; ".join(problems))
         hidden = config.mlp_hidden

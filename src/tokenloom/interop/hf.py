@@ -115,6 +115,17 @@ def per_layer(num_layers: int, rules: Iterable[Rule]) -> list[Rule]:
             for i in range(num_layers) for r in rules]
 
 
+def speedrun_problems(config: Any, display: str) -> list[str]:
+    """The GPT model options no exported decoder architecture here expresses: ``qk_norm`` (its norm weights would
+    be dropped and the attention changed) and ``logit_softcap`` (the file would give uncapped logits)."""
+    problems = []
+    if config.qk_norm:
+        problems.append(f"qk_norm=True ({display} has no query/key norms)")
+    if config.logit_softcap is not None:
+        problems.append(f"logit_softcap={config.logit_softcap} ({display} has no logit soft-capping)")
+    return problems
+
+
 class HFConverter:
     """A model family's link to Hugging Face (see the module docstring). Subclass and register an
     instance: ``HF_CONVERTERS.register("gpt2")(GPT2Converter())``."""

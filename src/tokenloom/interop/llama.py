@@ -22,7 +22,7 @@ from typing import Any
 from ..errors import ConfigError
 from ..models.gpt import GPTConfig
 from ..nn.mlp import swiglu_hidden_dim
-from .hf import HF_CONVERTERS, HFConverter, Rule, per_layer, rule
+from .hf import HF_CONVERTERS, HFConverter, Rule, per_layer, rule, speedrun_problems
 
 _ROPE_KEYS = ("rope_type", "type", "rope_theta", "partial_rotary_factor")
 
@@ -92,7 +92,7 @@ class LlamaConverter(HFConverter):
                             "context)")
         if config.attention_global:
             problems.append(f"attention_global={config.attention_global} ({self.display} has no global positions)")
-        return problems
+        return problems + speedrun_problems(config, self.display)
 
     def config_to_hf(self, config: GPTConfig) -> dict[str, Any]:
         problems = self.export_problems(config)

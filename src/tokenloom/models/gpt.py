@@ -18,7 +18,9 @@ on any submodule switch them off (the modules are then called as usual).
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor, nn
@@ -27,7 +29,7 @@ from torch.utils.checkpoint import checkpoint
 from ..config import check
 from ..errors import GenerationError
 from ..nn import POSITIONS, KVCache, create_block, create_norm
-from ..nn.attention import Context, capturing
+from ..nn.attention import Context, MultiHeadAttention, capturing
 from ..nn.block import StepFunctions, step_functions
 from ..nn.dropout import Dropout
 from ..nn.kv_cache import DecodeCache, RaggedView, RollingKVCache, SegmentMemory
@@ -55,7 +57,7 @@ class GPTConfig:
     norm: str = "layernorm"  # layernorm | rmsnorm
     norm_placement: str = "pre"  # pre (GPT-2) | post (original Transformer)
     norm_eps: float = 1e-5  # epsilon of every norm layer
-    mlp: str = "gelu"  # gelu | gelu_tanh | relu | swiglu
+    mlp: str = "gelu"  # gelu | gelu_tanh | relu | relu2 (ReLU squared, the modded-nanogpt speedrun's) | silu | swiglu
     mlp_ratio: float = 4.0  # MLP hidden width = mlp_ratio * embed_dim (swiglu: 2/3 of it, a multiple of 8)
     mlp_hidden_dim: int | None = None  # exact MLP hidden width (swiglu: gate/up width); None = from mlp_ratio
     attention: str = "sdpa"  # attention backend: sdpa (fused) | math (explicit, can return weights) | performer
@@ -75,6 +77,10 @@ class GPTConfig:
     gradient_checkpointing: bool = False  # recompute block activations in backward to save memory
     rope_base: float = 10000.0  # RoPE frequency base
     rope_scaling: dict | None = None  # RoPE frequency scaling, e.g. {type: linear, factor: 2.0}; also llama3, yarn
+    qk_norm: bool = False  # normalise each head's queries and keys (the model's norm over head_dim, before RoPE
+    #   and attention; OLMo-2, the speedrun): steadier attention logits at high learning rates
+    logit_softcap: float | None = None  # soft-cap the output logits, cap * tanh(logits / cap) (Gemma 2, the
+    #   speedrun: 30 or 15); None = uncapped. Generation and the loss both see the capped logits
     head_dim: int = field(init=False, default=0)  # derived: embed_dim // num_heads
     mlp_hidden: int = field(init=False, default=0)  # derived: the MLP hidden width the model builds
     max_positions: int | None = field(init=False, default=None)  # derived: the most positions a sequence may
@@ -87,6 +93,8 @@ class GPTConfig:
         check_block_options(self)
         check_window_options(self)
         check_memory_options(self)
+        check(self.logit_softcap is None or self.logit_softcap > 0,
+              f"logit_softcap must be a positive number or null, got {self.logit_softcap}")
         extrapolates = POSITIONS.get(self.position).extrapolates
         unbounded = self.attention_window is not None or self.memory_len > 0
         self.max_positions = None if unbounded and extrapolates else self.max_seq_len
@@ -106,6 +114,9 @@ GPT_PRESETS: dict[str, dict] = {
                         mlp="gelu_tanh"),
     "llama-tiny": dict(num_layers=4, num_heads=8, num_kv_heads=2, embed_dim=256, max_seq_len=256,
                        position="rope", norm="rmsnorm", mlp="swiglu", bias=False, tie_embeddings=False),
+    # the modded-nanogpt speedrun's model options at tiny size: ReLU^2 MLP, per-head q/k norm, soft-capped logits
+    "speedrun-tiny": dict(num_layers=4, num_heads=4, embed_dim=128, max_seq_len=64, position="rope", norm="rmsnorm",
+                          mlp="relu2", qk_norm=True, logit_softcap=15.0, bias=False, tie_embeddings=False),
 }
 
 
@@ -180,6 +191,14 @@ STEP_POSITIONS = 16  # the most positions per row a cached eval call runs throug
 #   the modules); a verification pass of 2-9 positions on the 6 x 384 Shakespeare model ran ~20% faster so
 
 
+def attention_builder(c: GPTConfig) -> Callable[..., nn.Module]:
+    """The blocks' attention builder: :class:`MultiHeadAttention`, given per-head query/key norms (the model's
+    ``norm`` over head_dim) when ``qk_norm``."""
+    if not c.qk_norm:
+        return MultiHeadAttention
+    return partial(MultiHeadAttention, qk_norm=partial(create_norm, c.norm, bias=False, eps=c.norm_eps))
+
+
 @declare_documents
 @declare_decoding("causal_lm")
 class GPT(CountsParameters, nn.Module):
@@ -201,7 +220,8 @@ class GPT(CountsParameters, nn.Module):
             create_block(c.norm_placement, c.embed_dim, c.num_heads, c.num_kv_heads,
                          hidden_dim=c.mlp_hidden, mlp=c.mlp, norm=c.norm, attention=c.attention,
                          dropout=c.dropout, bias=c.bias, norm_eps=c.norm_eps, attention_dropout=c.attention_dropout,
-                         attention_options=attention_options(c, c.max_seq_len))
+                         attention_options=attention_options(c, c.max_seq_len),
+                         make_attention=attention_builder(c))
             for _ in range(c.num_layers))
         # post-norm blocks end in a norm already; pre-norm needs one before the head
         self.final_norm = create_norm(c.norm, c.embed_dim, bias=c.bias, eps=c.norm_eps) \
@@ -317,14 +337,21 @@ class GPT(CountsParameters, nn.Module):
         if T > 1 and not (isinstance(cache, KVCache) and cache.length) and \
                 not isinstance(cache, (RaggedView, PagedView)):
             return None
-        return step_functions(self, cache, self._decoder_parts, T)
+        return step_functions(self, cache, self._decoder_parts, T,
+                              logits=None if self.config.logit_softcap is None else self.cap_logits)
 
     def _decoder_parts(self) -> tuple[nn.ModuleList, nn.Module, nn.Linear]:
         return self.blocks, self.final_norm, self.lm_head
 
     def forward_head(self, hidden: Tensor) -> Tensor:
-        """(B, T, C) -> (B, T, V) logits."""
-        return self.lm_head(hidden)
+        """(B, T, C) -> (B, T, V) logits (soft-capped with ``logit_softcap``)."""
+        return self.cap_logits(self.lm_head(hidden))
+
+    def cap_logits(self, logits: Tensor) -> Tensor:
+        """``cap * tanh(logits / cap)`` with ``config.logit_softcap``, else ``logits``: the one cap both the module
+        head (:meth:`forward_head`) and the plain step head (:meth:`decode_steps`) apply."""
+        cap = self.config.logit_softcap
+        return logits if cap is None else cap * torch.tanh(logits / cap)
 
     def forward(self, input_ids: Tensor, *, positions: Tensor | None = None, attention_mask: Tensor | None = None,
                 cache: DecodeCache | None = None, documents: Tensor | None = None) -> Tensor:

@@ -250,7 +250,9 @@ class MultiHeadAttention(nn.Module):
     Self-attention projects q, k and v with one fused matmul; with ``cross=True`` the keys and values
     come from an encoder's memory (``ctx.memory``: its keys and values, :meth:`memory_kv`). ``num_kv_heads <
     num_heads`` shares each key/value head among ``num_heads // num_kv_heads`` query heads (grouped-query
-    attention; 1 = multi-query).
+    attention; 1 = multi-query). ``qk_norm``, a norm builder ``(head_dim) -> module``, adds a norm of each head's
+    queries and of its keys, applied before RoPE in the one body (:meth:`queries_keys`), so every entry point and
+    cache strategy sees it (OLMo-2, the modded-nanogpt speedrun).
 
     Two entry points run one body (:meth:`attend`): ``forward`` (the module: hooks, dropout, weights) and
     :meth:`bind` (plain functions for eval-mode passes and one-token decode steps, without ``nn.Module`` call
@@ -260,7 +262,7 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(self, embed_dim: int, num_heads: int, num_kv_heads: int | None = None, *, bias: bool = True,
                  dropout: float = 0.0, backend: str = "sdpa", cross: bool = False,
-                 attention_options: dict | None = None) -> None:
+                 attention_options: dict | None = None, qk_norm: Callable[[int], nn.Module] | None = None) -> None:
         super().__init__()
         num_kv_heads = num_kv_heads or num_heads
         if embed_dim % num_heads:
@@ -277,6 +279,9 @@ class MultiHeadAttention(nn.Module):
         else:
             self.qkv_proj = nn.Linear(embed_dim, embed_dim + kv_dim, bias=bias)
         self.out_proj = nn.Linear(embed_dim, embed_dim, bias=bias)
+        # qk_norm(head_dim): a norm of each head's queries and keys before RoPE and attention (OLMo-2, the speedrun)
+        self.q_norm = qk_norm(self.head_dim) if qk_norm is not None else None
+        self.k_norm = qk_norm(self.head_dim) if qk_norm is not None else None
         self.dropout = dropout
         self.backend_name = backend
         implementation = ATTENTION_BACKENDS.get(backend)
@@ -357,13 +362,13 @@ class MultiHeadAttention(nn.Module):
             if torch.is_grad_enabled() and qkv.requires_grad:  # gradients into one buffer (partition_views)
                 q, k, v = partition_views(  # each (B, H|Hkv, T, D)
                     qkv, lambda t, n=T: t.view(B, n, H + 2 * Hkv, D).transpose(1, 2).split((H, Hkv, Hkv), 1))
-                if rope is not None:
-                    q, k = apply_rotary(q, *rope), apply_rotary(k, *rope)
+                q, k = self.queries_keys(q, k, rope)
             else:
                 # (B, H + 2Hkv, T, D); one position per row needs no transpose
                 qkv = qkv.view(B, H + 2 * Hkv, 1, D) if step else qkv.view(B, T, H + 2 * Hkv, D).transpose(1, 2)
-                if rope is None:
+                if rope is None or self.q_norm is not None:
                     q, k, v = qkv.split_with_sizes((H, Hkv, Hkv), 1)
+                    q, k = self.queries_keys(q, k, rope)
                 else:
                     qk, v = qkv.split_with_sizes((H + Hkv, Hkv), 1)
                     q, k = apply_rotary(qk, *rope).split_with_sizes((H, Hkv), 1)  # q and k rotated together
@@ -392,6 +397,19 @@ class MultiHeadAttention(nn.Module):
         if weights is not None:
             weights[0] = probs
         return residual + linear_out(out) if add else linear_out(out, residual)
+
+    def queries_keys(self, q: Tensor, k: Tensor, rope: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor]:
+        """q (B, H, T, D) and k (B, Hkv, T, D) normed per head (``qk_norm``) and then rotated (RoPE), where set."""
+        if self.q_norm is not None:
+            q = self.q_norm(q)
+        return (q if rope is None else apply_rotary(q, *rope)), self.keys(k, rope)
+
+    def keys(self, k: Tensor, rope: tuple[Tensor, Tensor] | None) -> Tensor:
+        """k (B, Hkv, T, D) as attention stores it: normed per head (``qk_norm``), then rotated (RoPE), where set;
+        also what a layer that only stores keys (early exit's frozen layers, :mod:`.exits`) applies."""
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        return k if rope is None else apply_rotary(k, *rope)
 
     def project(self, out: Tensor, residual: Tensor | None = None) -> Tensor:
         """The output projection of the heads' concatenation ``out`` (..., C), plus ``residual`` if given."""

@@ -225,13 +225,14 @@ _STEPS: dict[int, tuple] = {}
 
 
 def step_functions(model: nn.Module, cache, parts: Callable[[], tuple[nn.ModuleList, nn.Module, nn.Linear]],
-                   positions: int = 1) -> StepFunctions | None:
+                   positions: int = 1, logits: Callable[[Tensor], Tensor] | None = None) -> StepFunctions | None:
     """The plain one-token step of ``model`` (``parts()``: its blocks, final norm and output layer) for
     ``cache``'s batch size, built on first use and kept while ``cache`` lives (beam search's ``select``, which
     changes the batch size, builds it anew); None when forward hooks watch a submodule (the modules run then).
     With ``positions`` K > 1 the same functions serve steps of K positions per row (x (B, K, C): B * K rows for
     the linear layers; a semi-autoregressive model's groups). The one builder behind every model's fast decode
-    path: nothing is stored on the cache or the model."""
+    path: nothing is stored on the cache or the model. ``logits``, given, is applied to the output layer's result
+    (a model's logit soft-cap), so every user of ``head`` sees what the model's own head gives."""
     rows = cache.batch_size * positions
     entry = _STEPS.get(id(cache))
     if entry is not None and entry[0]() is cache and entry[1] is model and entry[2] == rows:
@@ -239,9 +240,15 @@ def step_functions(model: nn.Module, cache, parts: Callable[[], tuple[nn.ModuleL
     functions = None
     if not has_forward_hooks(model):
         blocks, final_norm, head = parts()
+        head_function = bind_linear(head, rows=rows)
+        if logits is not None:
+            linear = head_function
+
+            def head_function(x: Tensor) -> Tensor:
+                return logits(linear(x))
+
         functions = StepFunctions(blocks=[block.bind(rows) for block in blocks],
-                                  final_norm=inference_function(final_norm),
-                                  head=bind_linear(head, rows=rows))
+                                  final_norm=inference_function(final_norm), head=head_function)
     key = id(cache)
     _STEPS[key] = (weakref.ref(cache, lambda _: _STEPS.pop(key, None)), model, rows, functions)
     return functions

@@ -30,7 +30,6 @@ from .attention import Context, MultiHeadAttention
 from .block import inference_function
 from .fused import decode_linear
 from .norms import create_norm
-from .positions import apply_rotary
 
 EXIT_KINDS = ("shared", "trained")
 
@@ -91,7 +90,7 @@ def confident(logits: Tensor, threshold: float) -> Tensor:
 def key_value_store(attn: MultiHeadAttention, rows: int | None) -> Callable[[Tensor, Context, Tensor], Tensor]:
     """A self-attention sublayer ``(h, ctx, residual) -> residual`` that only projects ``h``'s keys and values
     (the k and v rows of the fused qkv projection; no queries) and stores them through ``ctx.cache`` (nothing to
-    store without one), rotated where the context carries rotary angles, as the attention itself stores them.
+    store without one), normed and rotated as the attention itself stores them (:meth:`MultiHeadAttention.keys`).
     ``rows``: bound for one-token steps of that many rows (h (B, C)); None: whole sequences (h (B, T, C))."""
     H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
     proj = attn.qkv_proj
@@ -110,9 +109,7 @@ def key_value_store(attn: MultiHeadAttention, rows: int | None) -> Callable[[Ten
         # (B, 2 Hkv, T, D), one position per row needing no transpose
         kv = kv.view(B, 2 * Hkv, 1, D) if h.dim() == 2 else kv.view(B, h.shape[1], 2 * Hkv, D).transpose(1, 2)
         k, v = kv.split_with_sizes((Hkv, Hkv), 1)
-        if ctx.rope is not None:
-            k = apply_rotary(k, *ctx.rope)
-        ctx.cache.update(k, v)
+        ctx.cache.update(attn.keys(k, ctx.rope), v)
         return residual
 
     return store

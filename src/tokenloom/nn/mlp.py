@@ -1,4 +1,5 @@
-"""Position-wise feed-forward networks, by name: ``gelu``, ``gelu_tanh``, ``relu``, ``silu``, ``swiglu``.
+"""Position-wise feed-forward networks, by name: ``gelu``, ``gelu_tanh``, ``relu``, ``relu2``, ``silu``,
+``swiglu``.
 
 Shapes: x (B, T, C) -> (B, T, C); the hidden width is ``hidden_dim``. Each MLP's
 ``inference_function(rows)`` returns a plain function equal to ``forward`` in eval mode (no dropout), without
@@ -105,6 +106,19 @@ class ReluMLP(_TwoLayerMLP):
 
     def act(self, x: Tensor) -> Tensor:
         return F.relu(x)
+
+
+def relu_squared(x: Tensor) -> Tensor:
+    """relu(x)^2 (Primer, So et al. 2021; the modded-nanogpt speedrun's MLP activation)."""
+    return F.relu(x).square()
+
+
+@MLPS.register("relu2")
+class Relu2MLP(_TwoLayerMLP):
+    """ReLU squared between two linear layers; no fused kernel (``act_name`` empty), the plain two-layer body."""
+
+    def act(self, x: Tensor) -> Tensor:
+        return relu_squared(x)
 
 
 @MLPS.register("silu")

@@ -18,7 +18,7 @@ from ..devices import device_of
 from ..errors import ConfigError, DataError
 from ..models.factory import create_model
 from ..models.registry import ponders
-from .losses import cross_entropy
+from .losses import cross_entropy, z_loss
 from .registry import TASKS, Sharded
 from .vocabulary import config_for_tokenizer
 
@@ -82,12 +82,15 @@ class LMTask(Sharded):
     data_config_cls = LMDataConfig
     default_family = "gpt"
     counts_model_tokens = True  # every (x, y) window's tokens run forward and backward: the progress line's MFU
+    takes_z_loss = True  # train.z_loss: added to the training loss (loss())
 
     def __init__(self, dataset: TextDataset, *, batch_size: int, seq_len: int, label_smoothing: float = 0.0,
-                 eval_batches: int | None = 20, order: str = "random", memory_len: int = 0) -> None:
+                 eval_batches: int | None = 20, order: str = "random", memory_len: int = 0,
+                 z_loss: float = 0.0) -> None:
         self.dataset = dataset
         self.batch_size, self.seq_len = batch_size, seq_len
         self.label_smoothing = label_smoothing
+        self.z_loss = z_loss  # train.z_loss: the weight of the training loss's z-loss term (0: off)
         self.eval_batches = eval_batches
         if memory_len and order != "stream":
             raise ConfigError(f"model.memory_len={memory_len} needs data.order: stream (each batch row a contiguous "
@@ -108,7 +111,8 @@ class LMTask(Sharded):
     @classmethod
     def setup(cls, data: LMDataConfig, model_section: dict[str, Any], run_dir: Path, *, batch_size: int,
               seq_len: int | None, label_smoothing: float, eval_batches: int | None,
-              tokenizer: Tokenizer | None = None, seed: int = 0) -> tuple[LMTask, nn.Module, Tokenizer, dict[str, Any]]:
+              tokenizer: Tokenizer | None = None, seed: int = 0,
+              z_loss: float = 0.0) -> tuple[LMTask, nn.Module, Tokenizer, dict[str, Any]]:
         """Tokenizer (trained unless given), token memmaps in ``run_dir/data``, and the model with its
         ``vocab_size`` (and, if unset, ``max_seq_len``) taken from the data. Returns (task, model,
         tokenizer, resolved model section)."""
@@ -119,7 +123,8 @@ class LMTask(Sharded):
         family, model_config, section, seq_len = config_for_tokenizer(model_section, tokenizer, seq_len)
         model = create_model(family, model_config)
         task = cls(dataset, batch_size=batch_size, seq_len=seq_len, label_smoothing=label_smoothing,
-                   eval_batches=eval_batches, order=data.order, memory_len=getattr(model_config, "memory_len", 0))
+                   eval_batches=eval_batches, order=data.order, memory_len=getattr(model_config, "memory_len", 0),
+                   z_loss=z_loss)
         return task, model, tokenizer, {"family": family, **section}
 
     def get_batch(self, generator: torch.Generator) -> tuple[Tensor, Tensor]:
@@ -157,6 +162,8 @@ class LMTask(Sharded):
         else:
             logits, extra = model(x, cache=cache), None  # (B, T, V)
         loss = cross_entropy(logits, y, label_smoothing=self.label_smoothing)
+        if self.z_loss:
+            loss = loss + self.z_loss * z_loss(logits)
         return (loss if extra is None else loss + extra), y.numel()
 
     def eval_split_batches(self, split: str = "val") -> int:

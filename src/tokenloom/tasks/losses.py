@@ -19,6 +19,12 @@ def cross_entropy(logits: Tensor, targets: Tensor, *, label_smoothing: float = 0
                            label_smoothing=label_smoothing, ignore_index=ignore_index)
 
 
+def z_loss(logits: Tensor) -> Tensor:
+    """PaLM's auxiliary z-loss: ``mean(logsumexp(logits)^2)`` over all positions, logits (..., V); it keeps the
+    softmax normaliser log Z near 0 (Chowdhery et al. 2022, weighted 1e-4 there)."""
+    return logits.float().logsumexp(dim=-1).pow(2).mean()
+
+
 def soft_cross_entropy(logits: Tensor, targets: Tensor, *, label_smoothing: float = 0.0) -> Tensor:
     """Mean cross-entropy against target distributions (mixup / cutmix). logits (B, K), targets (B, K)
     summing to 1 per row; label smoothing mixes each target with the uniform distribution:

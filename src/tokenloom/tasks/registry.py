@@ -25,6 +25,7 @@ class Sharded:
     count_unit: str = "tok"  # what loss()'s count counts, as the progress line names its rate (tok/s, img/s, pairs/s)
     counts_model_tokens: bool = False  # the count is every token the model ran forward and backward over (plain
     #   language modelling): the progress line estimates the MFU from it (tokenloom.training.progress)
+    takes_z_loss: bool = False  # setup() takes z_loss=: train.z_loss, the weight of a z-loss term in its training loss
 
     @classmethod
     def model_stand_ins(cls, model: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:

@@ -39,6 +39,7 @@ from ..nn.lora import check_targets as check_lora_targets
 from ..packaged import resolve_recipe, where_bundled
 from ..tasks import TASKS
 from .distributed import BACKENDS, STRATEGIES
+from .optim import OPTIMIZERS
 from .schedules import SCHEDULES
 from .tensorboard_log import LOG_TARGETS
 
@@ -125,7 +126,14 @@ class TrainConfig:
     lr: float = 1e-3  # peak learning rate
     min_lr: float | None = None  # final learning rate of cosine/linear decay; None = lr / 10
     warmup_steps: int = 100  # linear warmup from 0
-    schedule: str = "cosine"  # cosine | linear | constant | inverse_sqrt
+    schedule: str = "cosine"  # cosine | linear | constant | inverse_sqrt | wsd
+    decay_fraction: float = 0.2  # wsd: the last fraction of max_steps that decays linearly to min_lr (warmup,
+    #   then the peak held constant, then the decay; Hägele et al. 2024); other schedules ignore it
+    optimizer: str = "adamw"  # adamw | muon: Muon (torch.optim.Muon, as the modded-nanogpt speedrun) for the Linear
+    #   weights inside the model's block stack (attention and MLP projections), AdamW for the rest (embeddings, head,
+    #   norms, biases); not yet measured in this project
+    muon_lr: float = 0.02  # muon: Muon's peak learning rate (the same schedule multiplier as lr)
+    z_loss: float = 0.0  # language models: add z_loss * mean(logsumexp(logits)^2) to the loss (PaLM: 1e-4); 0 = off
     weight_decay: float = 0.1  # AdamW decoupled weight decay (matrices only)
     betas: list[float] = field(default_factory=lambda: [0.9, 0.99])  # AdamW betas
     grad_clip: float | None = 1.0  # max global gradient norm; None = off
@@ -188,6 +196,11 @@ class TrainConfig:
               and self.max_nonfinite >= 0,
               f"train.max_nonfinite must be an integer >= 0 (0 = never stop), got {self.max_nonfinite!r}")
         check_choice("train.schedule", self.schedule, SCHEDULES)
+        check(0.0 <= self.decay_fraction <= 1.0, f"train.decay_fraction must be in [0, 1], got {self.decay_fraction}")
+        check(self.optimizer in OPTIMIZERS, f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got "
+                                            f"{self.optimizer!r}{did_you_mean(self.optimizer, OPTIMIZERS)}")
+        check(self.muon_lr > 0, f"train.muon_lr must be positive, got {self.muon_lr}")
+        check(self.z_loss >= 0, f"train.z_loss must be >= 0 (0 = off), got {self.z_loss}")
         self.log_to = check_log_to(self.log_to)
         for name, known in (("strategy", STRATEGIES), ("backend", BACKENDS)):
             value = getattr(self, name)
@@ -267,6 +280,8 @@ class RunConfig:
             gather(errors, from_dict, task_cls.data_config_cls, self.data, prefix="data")
             gather(errors, check, self.train.scheduled_sampling.schedule == "none" or self.task == "translation",
                    f"train.scheduled_sampling applies to the translation task, not {self.task!r}")
+            gather(errors, check, self.train.z_loss == 0 or task_cls.takes_z_loss,
+                   f"train.z_loss applies to language-model training (task lm), not {self.task!r} (set it to 0)")
         if errors:
             raise ConfigProblems(errors)  # (also one alone: from_dict then reports it as it is)
 

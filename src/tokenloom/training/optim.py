@@ -1,8 +1,10 @@
-"""AdamW with weight decay on matrices only (no decay for biases, norms)."""
+"""AdamW with weight decay on matrices only (no decay for biases, norms); ``muon``: Muon for the hidden matrices,
+AdamW for the rest (:class:`MuonWithAdamW`)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import nn
@@ -19,10 +21,69 @@ def param_groups(params: nn.Module | Iterable[nn.Parameter], weight_decay: float
 
 
 def create_optimizer(model: nn.Module | Iterable[nn.Parameter], *, lr: float, weight_decay: float,
-                     betas: tuple[float, float], eps: float = 1e-8) -> torch.optim.AdamW:
+                     betas: tuple[float, float], eps: float = 1e-8, optimizer: str = "adamw",
+                     muon_lr: float = 0.02, hidden: Iterable[nn.Parameter] = ()) -> torch.optim.Optimizer:
+    """AdamW over ``model`` (:func:`param_groups`); ``optimizer="muon"``: Muon (at ``muon_lr``) for the ``hidden``
+    parameters (:func:`hidden_matrices`), AdamW for the rest."""
+    if optimizer == "muon":
+        hidden_ids = {id(p) for p in hidden}
+        params = list(model.parameters() if isinstance(model, nn.Module) else model)
+        rest = [p for p in params if id(p) not in hidden_ids]
+        muon = [p for p in params if id(p) in hidden_ids and p.requires_grad]
+        return MuonWithAdamW(param_groups(rest, weight_decay), muon, lr=lr, muon_lr=muon_lr, betas=betas, eps=eps)
     groups = param_groups(model, weight_decay)
     fused = all(p.device.type in ("cpu", "cuda") for g in groups for p in g["params"])
     return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=fused)
+
+
+OPTIMIZERS = ("adamw", "muon")  # train.optimizer
+
+
+def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
+    """The parameters ``train.optimizer: muon`` gives to Muon: the weights of the ``nn.Linear`` layers inside a
+    model's block stack (the ``nn.ModuleList`` a model keeps as its ``blocks`` attribute, at any depth: the
+    attention and MLP projections). Everything else (embeddings, the output head, norms, biases, position tables)
+    stays with AdamW. Trainable ones only; a tied tensor once."""
+    found: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        stack = module._modules.get("blocks")
+        if not isinstance(stack, nn.ModuleList):
+            continue
+        for layer in stack.modules():
+            if isinstance(layer, nn.Linear) and layer.weight.requires_grad and layer.weight.dim() == 2:
+                found.setdefault(id(layer.weight), layer.weight)
+    return list(found.values())
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """Muon (Newton-Schulz orthogonalised momentum, ``torch.optim.Muon``) for the hidden matrices and AdamW for every
+    other parameter, as the modded-nanogpt speedrun trains: one optimizer object, so one ``param_groups`` list
+    (the AdamW groups first, then the Muon group: a learning-rate schedule drives both), one ``state`` and one
+    ``state_dict`` / ``load_state_dict``. Muon: momentum 0.95, Nesterov, 5 Newton-Schulz steps, no weight decay."""
+
+    def __init__(self, adamw_groups: list[dict], muon_params: list[nn.Parameter], *, lr: float, muon_lr: float,
+                 betas: tuple[float, float], eps: float = 1e-8) -> None:
+        fused = all(p.device.type in ("cpu", "cuda") for g in adamw_groups for p in g["params"])
+        self.adamw = torch.optim.AdamW(adamw_groups, lr=lr, betas=betas, eps=eps, fused=fused)
+        self.muon = torch.optim.Muon(muon_params, lr=muon_lr, weight_decay=0.0, momentum=0.95, nesterov=True,
+                                     ns_steps=5)
+        super().__init__(self.adamw.param_groups + self.muon.param_groups, {})
+        self._bind()
+
+    def _bind(self) -> None:
+        """The two inner optimizers work on this object's groups and state (the same dicts)."""
+        n = len(self.adamw.param_groups)
+        self.adamw.param_groups, self.muon.param_groups = self.param_groups[:n], self.param_groups[n:]
+        self.adamw.state = self.muon.state = self.state
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        self._bind()
+
+    @torch.no_grad()
+    def step(self, closure: Any = None) -> None:  # noqa: ARG002 (no closure: the Trainer never passes one)
+        self.adamw.step()
+        self.muon.step()
 
 
 def _order(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[str]:

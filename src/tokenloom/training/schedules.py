@@ -1,10 +1,12 @@
-"""Learning-rate schedules, by name: ``cosine``, ``linear``, ``constant``, ``inverse_sqrt`` (Noam).
+"""Learning-rate schedules, by name: ``cosine``, ``linear``, ``constant``, ``inverse_sqrt`` (Noam), ``wsd``
+(warmup-stable-decay).
 
 Each maps a step (0-based, the optimizer update about to happen) to a multiplier of the peak
 learning rate. All but ``inverse_sqrt`` warm up linearly over ``warmup_steps`` first.
 
 A schedule is built from the ``train`` keys in :class:`ScheduleSpec` (``schedule``, ``lr``, ``min_lr``,
-``warmup_steps``, ``max_steps``). A checkpoint records that spec, and a resume keeps it: a resume that changes one of
+``warmup_steps``, ``max_steps``, ``decay_fraction``). A checkpoint records that spec, and a resume keeps it: a
+resume that changes one of
 those keys keeps the first run's schedule (a larger ``max_steps`` still extends the run; the steps past the
 schedule's end run on its continuation, ``min_lr`` for ``cosine`` / ``linear``), and :func:`kept_schedule_notice`
 says so in one line.
@@ -36,7 +38,8 @@ def _decay_progress(step: int, warmup_steps: int, max_steps: int) -> float:
 
 
 @SCHEDULES.register("cosine")
-def cosine(step: int, *, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
+def cosine(step: int, *, warmup_steps: int, max_steps: int, min_ratio: float,
+                decay_fraction: float = 0.2) -> float:
     """Warmup, then half a cosine from 1 down to ``min_ratio`` at ``max_steps``."""
     w = _warmup(step, warmup_steps)
     progress = _decay_progress(step, warmup_steps, max_steps)
@@ -44,21 +47,24 @@ def cosine(step: int, *, warmup_steps: int, max_steps: int, min_ratio: float) ->
 
 
 @SCHEDULES.register("linear")
-def linear(step: int, *, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
+def linear(step: int, *, warmup_steps: int, max_steps: int, min_ratio: float,
+                decay_fraction: float = 0.2) -> float:
     """Warmup, then a straight line from 1 down to ``min_ratio`` at ``max_steps``."""
     w = _warmup(step, warmup_steps)
     return w if w is not None else 1 - (1 - min_ratio) * _decay_progress(step, warmup_steps, max_steps)
 
 
 @SCHEDULES.register("constant")
-def constant(step: int, *, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
+def constant(step: int, *, warmup_steps: int, max_steps: int, min_ratio: float,
+                decay_fraction: float = 0.2) -> float:
     """Warmup, then 1."""
     w = _warmup(step, warmup_steps)
     return 1.0 if w is None else w
 
 
 @SCHEDULES.register("inverse_sqrt")
-def inverse_sqrt(step: int, *, warmup_steps: int, max_steps: int, min_ratio: float) -> float:
+def inverse_sqrt(step: int, *, warmup_steps: int, max_steps: int, min_ratio: float,
+                decay_fraction: float = 0.2) -> float:
     """The original Transformer's (Noam) schedule, normalised to peak at 1 after ``warmup_steps``:
     ``min(n / warmup, sqrt(warmup / n))`` with n = step + 1."""
     n = step + 1
@@ -66,15 +72,31 @@ def inverse_sqrt(step: int, *, warmup_steps: int, max_steps: int, min_ratio: flo
     return min(n / warmup, math.sqrt(warmup / n))
 
 
+@SCHEDULES.register("wsd")
+def wsd(step: int, *, warmup_steps: int, max_steps: int, min_ratio: float, decay_fraction: float = 0.2) -> float:
+    """Warmup-stable-decay (Hägele et al. 2024): warmup, then 1 until the last ``decay_fraction`` of ``max_steps``,
+    then a straight line down to ``min_ratio`` at ``max_steps`` (and ``min_ratio`` after)."""
+    w = _warmup(step, warmup_steps)
+    if w is not None:
+        return w
+    decay_start = max(warmup_steps, max_steps - round(decay_fraction * max_steps))
+    if step < decay_start:
+        return 1.0
+    return 1 - (1 - min_ratio) * _decay_progress(step, decay_start, max_steps)
+
+
 def create_scheduler(optimizer: torch.optim.Optimizer, name: str, *, warmup_steps: int, max_steps: int,
-                     min_ratio: float) -> torch.optim.lr_scheduler.LambdaLR:
-    fn = partial(SCHEDULES.get(name), warmup_steps=warmup_steps, max_steps=max_steps, min_ratio=min_ratio)
+                     min_ratio: float, decay_fraction: float = 0.2) -> torch.optim.lr_scheduler.LambdaLR:
+    fn = partial(SCHEDULES.get(name), warmup_steps=warmup_steps, max_steps=max_steps, min_ratio=min_ratio,
+                 decay_fraction=decay_fraction)
     return torch.optim.lr_scheduler.LambdaLR(optimizer, fn)
 
 
 # the keys that do not shape a schedule's curve (every other key of the spec does)
-UNUSED_KEYS: dict[str, tuple[str, ...]] = {"constant": ("max_steps", "min_lr"), "inverse_sqrt": ("max_steps", "min_lr")}
-FLOOR_AFTER_END = ("cosine", "linear")  # past max_steps these stay at min_lr
+UNUSED_KEYS: dict[str, tuple[str, ...]] = {
+    "cosine": ("decay_fraction",), "linear": ("decay_fraction",),
+    "constant": ("max_steps", "min_lr", "decay_fraction"), "inverse_sqrt": ("max_steps", "min_lr", "decay_fraction")}
+FLOOR_AFTER_END = ("cosine", "linear", "wsd")  # past max_steps these stay at min_lr
 
 
 @dataclass(frozen=True)
@@ -86,23 +108,27 @@ class ScheduleSpec:
     min_lr: float
     warmup_steps: int
     max_steps: int
+    decay_fraction: float = 0.2  # wsd only (a record written before the key existed takes this default)
 
     @classmethod
     def of(cls, train: Any) -> ScheduleSpec:
         """The spec of a :class:`~tokenloom.training.config.TrainConfig` (or anything with those attributes)."""
         min_lr = train.min_lr if train.min_lr is not None else train.lr / 10
-        return cls(str(train.schedule), float(train.lr), float(min_lr), int(train.warmup_steps), int(train.max_steps))
+        return cls(str(train.schedule), float(train.lr), float(min_lr), int(train.warmup_steps), int(train.max_steps),
+                   float(train.decay_fraction))
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> ScheduleSpec:
         """The spec a trainer state recorded; ValueError when the record is not one."""
         kinds = {"schedule": (str,), "lr": (int, float), "min_lr": (int, float), "warmup_steps": (int,),
-                 "max_steps": (int,)}
+                 "max_steps": (int,), "decay_fraction": (int, float)}
+        if isinstance(record, Mapping) and "decay_fraction" not in record:  # recorded before the key existed
+            record = {**record, "decay_fraction": 0.2}
         if not isinstance(record, Mapping) or set(record) != set(kinds) or not all(
                 isinstance(record[k], kind) and not isinstance(record[k], bool) for k, kind in kinds.items()):
             raise ValueError(f"the recorded learning-rate schedule is not one: {record!r:.120}")
         return cls(record["schedule"], float(record["lr"]), float(record["min_lr"]), record["warmup_steps"],
-                   record["max_steps"])
+                   record["max_steps"], float(record["decay_fraction"]))
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -114,7 +140,7 @@ class ScheduleSpec:
 
     def create(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         return create_scheduler(optimizer, self.schedule, warmup_steps=self.warmup_steps, max_steps=self.max_steps,
-                                min_ratio=self.min_lr / self.lr)
+                                min_ratio=self.min_lr / self.lr, decay_fraction=self.decay_fraction)
 
 
 def _number(value: Any) -> str:

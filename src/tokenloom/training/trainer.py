@@ -43,7 +43,7 @@ from . import distributed
 from .compile import CompiledForward
 from .config import RunConfig, TrainConfig
 from .distributed import SINGLE, Distributed
-from .optim import create_optimizer, load_named_optimizer_state, named_optimizer_state
+from .optim import create_optimizer, hidden_matrices, load_named_optimizer_state, named_optimizer_state
 from .precision import MasterWeights, autocast
 from .progress import progress_mode, training_progress
 from .schedules import ScheduleSpec, kept_schedule_notice
@@ -109,7 +109,8 @@ def _schedule_of_config(train: dict[str, Any]) -> ScheduleSpec:
     if not isinstance(train, dict):
         raise ValueError(f"the checkpoint's train section is not a mapping: {train!r:.80}")
     default = TrainConfig()
-    keys = {key: train.get(key, getattr(default, key)) for key in ("schedule", "lr", "warmup_steps", "max_steps")}
+    keys = {key: train.get(key, getattr(default, key)) for key in ("schedule", "lr", "warmup_steps", "max_steps",
+                                                                      "decay_fraction")}
     keys["min_lr"] = train.get("min_lr")
     return ScheduleSpec.of(SimpleNamespace(**keys))
 
@@ -168,7 +169,16 @@ class Trainer:
         self.master = MasterWeights(model, keep=frozen_state_names(model) if adapter is not None else ()) \
             if t.precision == "bf16" and not self.fsdp else None
         params = self.master.masters if self.master else model
-        self.optimizer = create_optimizer(params, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas))
+        # train.optimizer muon: Muon for the Linear weights of the model's block stack (hidden_matrices), AdamW for
+        # the rest
+        hidden = hidden_matrices(model) if t.optimizer == "muon" else []
+        if t.optimizer == "muon" and (self.fsdp or not hidden):
+            raise TrainingError("train.optimizer muon needs a model with Linear layers in a `blocks` stack and no fsdp"
+                                " strategy; use train.optimizer adamw")
+        if self.master is not None:
+            hidden = [self.master.master_of(p) for p in hidden]
+        self.optimizer = create_optimizer(params, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas),
+                                          optimizer=t.optimizer, muon_lr=t.muon_lr, hidden=hidden)
         self.schedule_spec = ScheduleSpec.of(t)  # a resume replaces it by the run's recorded one (load_state)
         self.scheduler = self.schedule_spec.create(self.optimizer)
         # fp16 (CUDA): losses scaled so small gradients survive float16; an overflowing step is skipped (counted with
