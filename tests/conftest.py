@@ -1,6 +1,7 @@
 import atexit
 import os
 import shutil
+import socket
 import tempfile
 
 import pytest
@@ -39,3 +40,15 @@ def _seed_and_threads():
     torch.manual_seed(0)
     torch.set_num_threads(2)
     yield
+
+
+@pytest.fixture
+def no_network(monkeypatch):
+    """HF_HUB_OFFLINE=1, and any connection attempt fails the test (the Hugging Face cache and datasets tests)."""
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"network access attempted: {args[1:]}")
+
+    monkeypatch.setattr(socket.socket, "connect", refuse)
+    monkeypatch.setattr(socket, "create_connection", refuse)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import random
-import socket
 
 import pytest
 import yaml
@@ -28,15 +27,8 @@ GPT = {"num_layers": 1, "num_heads": 2, "embed_dim": 32, "max_seq_len": 64, "dro
 
 
 @pytest.fixture(autouse=True)
-def offline(monkeypatch):
-    """HF_HUB_OFFLINE=1, and any connection attempt fails the test: nothing here may touch the network."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"network access attempted: {args[1:]}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
+def offline(no_network):
+    """Nothing here may touch the network (tests/conftest.py's no_network, for every test of the file)."""
 
 
 def _sentences(n: int, seed: int = 0) -> list[str]:

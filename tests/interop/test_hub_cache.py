@@ -3,7 +3,6 @@ import hf org/name`` and ``from_hf("org/name")`` read the cached snapshot; an ab
 
 from __future__ import annotations
 
-import socket
 from pathlib import Path
 
 import pytest
@@ -29,24 +28,12 @@ def fake_cache(root: Path, repo_id: str, model: torch.nn.Module) -> Path:
     return save_hf(model, repo / "snapshots" / COMMIT)
 
 
-@pytest.fixture
-def offline(monkeypatch):
-    """HF_HUB_OFFLINE=1, and any connection attempt fails the test."""
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-
-    def refuse(*args, **kwargs):
-        raise AssertionError(f"network access attempted: {args[1:]}")
-
-    monkeypatch.setattr(socket.socket, "connect", refuse)
-    monkeypatch.setattr(socket, "create_connection", refuse)
-
-
 @pytest.fixture(scope="module")
 def hf_model():
     return gpt2_hf(seed=3)
 
 
-def test_import_hf_reads_a_hub_name_from_the_local_cache(tmp_path, monkeypatch, offline, capsys, hf_model):
+def test_import_hf_reads_a_hub_name_from_the_local_cache(tmp_path, monkeypatch, no_network, capsys, hf_model):
     snapshot = fake_cache(tmp_path / "hub", "org/name", hf_model)
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     assert hub_cache_dir() == tmp_path / "hub"
@@ -61,7 +48,7 @@ def test_import_hf_reads_a_hub_name_from_the_local_cache(tmp_path, monkeypatch, 
         torch.testing.assert_close(model(x), hf_model(x).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_hf_home_and_a_name_without_org(tmp_path, monkeypatch, offline, hf_model):
+def test_hf_home_and_a_name_without_org(tmp_path, monkeypatch, no_network, hf_model):
     """HF_HOME/hub when HF_HUB_CACHE is unset; a bare name (``gpt2``) is ``models--gpt2``."""
     monkeypatch.delenv("HF_HUB_CACHE", raising=False)
     monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
@@ -73,7 +60,7 @@ def test_hf_home_and_a_name_without_org(tmp_path, monkeypatch, offline, hf_model
         torch.testing.assert_close(from_hf("tinygpt")(x), hf_model(x).logits, atol=1e-5, rtol=1e-5)
 
 
-def test_a_name_not_in_the_cache_is_one_line(tmp_path, monkeypatch, offline, capsys):
+def test_a_name_not_in_the_cache_is_one_line(tmp_path, monkeypatch, no_network, capsys):
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
     (tmp_path / "hub").mkdir()
     with pytest.raises(CheckpointError) as err:

@@ -246,17 +246,22 @@ def test_reference_is_init_from_also_on_resume(tmp_path):
     assert resumed.task.state_dict() == position == {"epoch": 1, "position": 3}  # 3 steps x 4 of 9 prompts
 
 
+def _policy_and_perturbed(tmp_path, scale: float, seed: int):
+    """(a tiny character LM, a copy with N(0, scale^2) added to every weight, their tokenizer)."""
+    text = "System: User: Assistant: \nabcdefgh"
+    policy = _tiny_lm_checkpoint(tmp_path / "a", text).eval()
+    reference = copy.deepcopy(policy)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in reference.parameters():
+            p.add_(scale * torch.randn_like(p))
+    return policy, reference, Tokenizer.train_char(text)
+
+
 def test_policy_kl(tmp_path):
     """0 for a policy against itself; for another model, within sampling error of the exact KL of one-token
     completions (their distributions enumerated)."""
-    text = "System: User: Assistant: \nabcdefgh"
-    policy = _tiny_lm_checkpoint(tmp_path / "a", text).eval()
-    tokenizer = Tokenizer.train_char(text)
-    reference = copy.deepcopy(policy)
-    torch.manual_seed(5)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.add_(0.5 * torch.randn_like(p))
+    policy, reference, tokenizer = _policy_and_perturbed(tmp_path, 0.5, seed=5)
     template = DefaultChatTemplate(tokenizer)
     prompts = ["abc", "hg"]
     assert policy_kl(policy, copy.deepcopy(policy), tokenizer, prompts, template, 4, max_new_tokens=3) == 0.0
@@ -342,14 +347,7 @@ def test_policy_kl_k3_is_never_negative_where_k1_can_be(tmp_path):
     """Two close models, one sample per prompt: the k1 estimate (the summed log-ratio) comes out below 0 for some
     seeds -- a negative "KL" -- while the k3 estimate (the default, GRPO's val_kl) is >= 0 for every seed, and both
     are reported in ``details``."""
-    text = "System: User: Assistant: \nabcdefgh"
-    policy = _tiny_lm_checkpoint(tmp_path / "a", text).eval()
-    tokenizer = Tokenizer.train_char(text)
-    reference = copy.deepcopy(policy)
-    torch.manual_seed(7)
-    with torch.no_grad():
-        for p in reference.parameters():
-            p.add_(0.02 * torch.randn_like(p))
+    policy, reference, tokenizer = _policy_and_perturbed(tmp_path, 0.02, seed=7)
     template = DefaultChatTemplate(tokenizer)
     k1, k3 = [], []
     for seed in range(12):

@@ -11,6 +11,7 @@ import re
 import pytest
 from tests.tasks.preference_helpers import PAIRS, make_lm_checkpoint, write_jsonl
 from tests.tasks.preference_helpers import run as preference_run
+from tests.training.test_metrics_log import recipe as metrics_recipe
 
 from tokenloom.errors import ConfigError
 from tokenloom.hardware import remembered
@@ -18,20 +19,14 @@ from tokenloom.training import load_run_config, setup_run
 from tokenloom.training import progress as progress_module
 from tokenloom.training.progress import Progress, duration, progress_line, progress_mode
 
-TEXT = "First Citizen:\nBefore we proceed any further, hear me speak.\n\nAll:\nSpeak, speak.\n" * 40
 LINE = re.compile(r"step +(\d+)/(\d+)  loss (\S+)  lr (\S+)  (\S+) ms/step  (\S+) tok/s  MFU (\S+)%  ETA (\S+)$")
 PEAK = 2e9  # FLOP/s standing in for the measured matmul peak (the MFU is then the formula's, exactly)
 
 
 def recipe(tmp_path, **train):
-    path = tmp_path / "corpus.txt"
-    path.write_text(TEXT)
-    return {
-        "model": {"num_layers": 1, "num_heads": 2, "embed_dim": 16, "max_seq_len": 32},
-        "data": {"path": str(path)},
-        "train": {"max_steps": 7, "batch_size": 4, "seq_len": 16, "lr": 3e-3, "warmup_steps": 2, "eval_every": 0,
-                  "eval_batches": 1, "checkpoint_every": 0, "log_every": 3, "precision": "fp32", **train},
-    }
+    """The metrics-log tests' tiny run, 7 steps with a line every 3, no evaluation or checkpoint between."""
+    return metrics_recipe(tmp_path, **{"max_steps": 7, "eval_every": 0, "checkpoint_every": 0, "log_every": 3,
+                                       **train})
 
 
 def records(run_dir, key="loss"):

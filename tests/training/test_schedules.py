@@ -6,10 +6,10 @@ import torch
 from tokenloom.training.schedules import SCHEDULES, create_scheduler
 
 
-def lrs(name, steps=20, warmup=5, max_steps=20, min_ratio=0.1, lr=1.0):
+def lrs(name, steps=20, warmup=5, max_steps=20, min_ratio=0.1, lr=1.0, **options):
     p = torch.nn.Parameter(torch.zeros(1))
     opt = torch.optim.SGD([p], lr=lr)
-    sched = create_scheduler(opt, name, warmup_steps=warmup, max_steps=max_steps, min_ratio=min_ratio)
+    sched = create_scheduler(opt, name, warmup_steps=warmup, max_steps=max_steps, min_ratio=min_ratio, **options)
     out = []
     for _ in range(steps):
         out.append(opt.param_groups[0]["lr"])
@@ -102,3 +102,11 @@ def test_a_recorded_schedule_is_checked():
                 {"schedule": "cosine"}, [1, 2]):
         with pytest.raises(ValueError, match="the recorded learning-rate schedule is not one"):
             ScheduleSpec.from_record(bad)
+
+
+def test_wsd_warms_up_holds_then_decays_linearly():
+    # warmup 2, stable until step 6 (= 10 - 0.4 * 10), then a line from 1 at step 6 to 0.1 at step 10
+    wsd = {"warmup": 2, "max_steps": 10, "decay_fraction": 0.4}
+    assert lrs("wsd", steps=11, **wsd) == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1])
+    assert lrs("wsd", steps=11, **{**wsd, "decay_fraction": 0.0})[2:10] == pytest.approx([1.0] * 8)
+    assert lrs("wsd", steps=13, **wsd)[-1] == pytest.approx(0.1)  # min_lr after max_steps

@@ -104,26 +104,6 @@ def test_the_defaults_change_nothing(tmp_path):
     assert (train.optimizer, train.z_loss) == ("adamw", 0.0)
 
 
-def lrs(steps=11, warmup=2, max_steps=10, min_ratio=0.1, decay_fraction=0.4):
-    p = torch.nn.Parameter(torch.zeros(1))
-    opt = torch.optim.SGD([p], lr=1.0)
-    sched = create_scheduler(opt, "wsd", warmup_steps=warmup, max_steps=max_steps, min_ratio=min_ratio,
-                             decay_fraction=decay_fraction)
-    out = []
-    for _ in range(steps):
-        out.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    return out
-
-
-def test_wsd_warms_up_holds_then_decays_linearly():
-    # warmup 2, stable until step 6 (= 10 - 0.4 * 10), then a line from 1 at step 6 to 0.1 at step 10
-    assert lrs() == pytest.approx([0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 0.775, 0.55, 0.325, 0.1])
-    assert lrs(decay_fraction=0.0)[2:10] == pytest.approx([1.0] * 8)
-    assert lrs(steps=13)[-1] == pytest.approx(0.1)  # min_lr after max_steps
-
-
 def test_z_loss_is_the_formula():
     logits = torch.randn(2, 3, 7)
     z = torch.log(torch.exp(logits).sum(-1))
