@@ -4,7 +4,9 @@
                         quantised checkpoint adds ``quantization: {bits, group_size, head, embedding}``
     model.safetensors   weights (never unpickled)
     tokenizer.json      Hugging Face tokenizers format
-    trainer_state.pt    only for resuming: optimizer, scheduler, RNG states, step (written by training)
+    trainer_state.pt    only for resuming: optimizer, scheduler, RNG states, step (written by training); with
+                        ``train.ema`` also ``"ema"``: the average and the raw weights training continues from
+                        (model.safetensors then holds the average: tokenloom.training.ema)
     checksums.json      the SHA-256 of every other file: every loader checks the files it reads against it (a
                         damaged one is a one-line :class:`~tokenloom.errors.ChecksumError` naming it; a checkpoint
                         without it, from before checksums, loads as it is), ``--resume`` all of them first

@@ -51,8 +51,9 @@ def test_the_static_cache_strategy_equals_the_uncached_forward(position):
 
 
 @pytest.mark.parametrize("options", [dict(position="learned"), dict(position="rope"), dict(position="alibi"),
-                                     dict(position="rope", qk_norm=True, logit_softcap=2.0, mlp="relu2")],
-                         ids=["learned", "rope", "alibi", "speedrun"])
+                                     dict(position="rope", qk_norm=True, logit_softcap=2.0, mlp="relu2"),
+                                     dict(position="rope", value_embeddings=1, unet_skips=True)],
+                         ids=["learned", "rope", "alibi", "speedrun", "speedrun-stack"])
 def test_compiled_decoding_compiles_once_and_gives_the_eager_tokens(counting, options):
     model = small_model(**options)
     ids, mask = left_pad([torch.randint(0, 40, (7,)), torch.randint(0, 40, (3,)), torch.randint(0, 40, (5,))])

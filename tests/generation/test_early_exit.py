@@ -107,7 +107,8 @@ def test_threshold_one_is_the_full_model_bit_for_bit(position):
 
 @pytest.mark.parametrize(("position", "placement", "batch", "options"),
                          [("learned", "pre", 1, {}), ("rope", "pre", 1, {}), ("learned", "post", 1, {}),
-                          ("learned", "pre", 2, {}), ("rope", "pre", 1, dict(qk_norm=True, logit_softcap=3.0))])
+                          ("learned", "pre", 2, {}), ("rope", "pre", 1, dict(qk_norm=True, logit_softcap=3.0)),
+                          ("rope", "pre", 1, dict(value_embeddings=1))])
 def test_cached_decoding_equals_the_whole_sequence_pass(position, placement, batch, options):
     model = exit_model(position=position, norm_placement=placement, **options)
     ids = torch.randint(0, 40, (batch, 16), generator=torch.Generator().manual_seed(3))

@@ -78,6 +78,7 @@ CASES = {
     "t5": dict(position="t5"), "sinusoidal": dict(position="sinusoidal"),
     "window": dict(position="rope", attention_window=8),
     "speedrun": dict(position="rope", num_kv_heads=2, norm="rmsnorm", qk_norm=True, logit_softcap=2.0, mlp="relu2"),
+    "speedrun-stack": dict(position="rope", num_kv_heads=2, value_embeddings=1, unet_skips=True),
 }
 
 

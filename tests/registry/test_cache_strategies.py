@@ -65,7 +65,9 @@ def test_a_strategy_decodes_what_the_uncached_forward_computes(strategy, positio
 
 # model options that act inside attention or on the head: every strategy and both step paths must apply them
 OPTIONS = {"qk_norm": dict(position="rope", qk_norm=True), "qk_norm-learned": dict(qk_norm=True, norm="rmsnorm"),
-           "softcap": dict(position="rope", logit_softcap=0.5), "relu2": dict(mlp="relu2")}
+           "softcap": dict(position="rope", logit_softcap=0.5), "relu2": dict(mlp="relu2"),
+           "value_embeddings": dict(position="rope", value_embeddings=1),
+           "unet_skips-learned": dict(unet_skips=True, value_embeddings=2)}
 
 
 @pytest.mark.parametrize("hooked", [False, True], ids=["plain", "modules"])

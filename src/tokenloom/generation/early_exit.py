@@ -66,6 +66,9 @@ def check_early_exit(model: object) -> None:
     if getattr(model.config, "memory_len", 0):
         raise GenerationError(f"early exit does not support a Transformer-XL memory (memory_len="
                               f"{model.config.memory_len})")
+    if model.config.unet_skips:  # a declared model: a GPT, whose config has the field
+        raise GenerationError("early exit does not support U-net skips (unet_skips=True): a frozen position's "
+                              "skips would be undefined")
     if is_quantized(model):
         raise GenerationError("early exit runs float models only; this one is weight-only quantised (use its float "
                               "checkpoint)")

@@ -117,12 +117,17 @@ def per_layer(num_layers: int, rules: Iterable[Rule]) -> list[Rule]:
 
 def speedrun_problems(config: Any, display: str) -> list[str]:
     """The GPT model options no exported decoder architecture here expresses: ``qk_norm`` (its norm weights would
-    be dropped and the attention changed) and ``logit_softcap`` (the file would give uncapped logits)."""
+    be dropped and the attention changed), ``logit_softcap`` (the file would give uncapped logits),
+    ``value_embeddings`` and ``unet_skips`` (their tables and scalars would be dropped)."""
     problems = []
     if config.qk_norm:
         problems.append(f"qk_norm=True ({display} has no query/key norms)")
     if config.logit_softcap is not None:
         problems.append(f"logit_softcap={config.logit_softcap} ({display} has no logit soft-capping)")
+    if config.value_embeddings:
+        problems.append(f"value_embeddings={config.value_embeddings} ({display} has no value embeddings)")
+    if config.unet_skips:
+        problems.append(f"unet_skips=True ({display} has no skip connections between layers)")
     return problems
 
 

@@ -11,8 +11,13 @@ class CountsParameters:
     tok_embed: nn.Embedding
 
     def num_params(self, non_embedding: bool = False) -> int:
-        """Parameters, shared ones once; ``non_embedding`` leaves out the token embedding matrix."""
+        """Parameters, shared ones once; ``non_embedding`` leaves out the embedding tables
+        (:meth:`embedding_tables`)."""
         n = sum(p.numel() for p in self.parameters())  # type: ignore[attr-defined]
         if non_embedding:
-            n -= self.tok_embed.weight.numel()
+            n -= sum(w.numel() for w in self.embedding_tables())
         return n
+
+    def embedding_tables(self) -> list[nn.Parameter]:
+        """The lookup tables (no compute per token): the token embedding matrix; GPT adds its value embeddings."""
+        return [self.tok_embed.weight]

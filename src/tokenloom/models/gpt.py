@@ -37,8 +37,16 @@ from ..nn.masks import KeySpan, document_positions, positions_from_mask, sequenc
 from ..nn.paged import PagedView
 from ..nn.quantized import embedding_rows, reference_tensor
 from ..nn.sliding import Window, plan_attention
+from ..nn.speedrun import UNetSkips, ValueEmbeddings
 from .counting import CountsParameters
-from .options import attention_options, check_block_options, check_memory_options, check_window_options, from_preset
+from .options import (
+    attention_options,
+    check_block_options,
+    check_memory_options,
+    check_speedrun_options,
+    check_window_options,
+    from_preset,
+)
 from .registry import MODELS, declare_decoding, declare_documents
 
 
@@ -81,6 +89,11 @@ class GPTConfig:
     #   and attention; OLMo-2, the speedrun): steadier attention logits at high learning rates
     logit_softcap: float | None = None  # soft-cap the output logits, cap * tanh(logits / cap) (Gemma 2, the
     #   speedrun: 30 or 15); None = uncapped. Generation and the loss both see the capped logits
+    value_embeddings: int = 0  # the speedrun's value embeddings: k tables (vocab_size, Hkv * head_dim); table i
+    #   feeds layers i and L - k + i, whose attention values become v + lambda_l * table[ids] (lambda_l learned,
+    #   0.5 at init) before caching; 0 = none, at most num_layers
+    unet_skips: bool = False  # the speedrun's U-net skips: layer L//2 + j runs on x + w_j * (the output of layer
+    #   L//2 - 1 - j), j < L//2 (w_j learned, 1.0 at init)
     head_dim: int = field(init=False, default=0)  # derived: embed_dim // num_heads
     mlp_hidden: int = field(init=False, default=0)  # derived: the MLP hidden width the model builds
     max_positions: int | None = field(init=False, default=None)  # derived: the most positions a sequence may
@@ -93,6 +106,7 @@ class GPTConfig:
         check_block_options(self)
         check_window_options(self)
         check_memory_options(self)
+        check_speedrun_options(self)
         check(self.logit_softcap is None or self.logit_softcap > 0,
               f"logit_softcap must be a positive number or null, got {self.logit_softcap}")
         extrapolates = POSITIONS.get(self.position).extrapolates
@@ -227,10 +241,20 @@ class GPT(CountsParameters, nn.Module):
         self.final_norm = create_norm(c.norm, c.embed_dim, bias=c.bias, eps=c.norm_eps) \
             if c.norm_placement == "pre" else nn.Identity()
         self.lm_head = nn.Linear(c.embed_dim, c.vocab_size, bias=False)
-        init_gpt_weights(self, c.num_layers)
+        # the speedrun's options (tokenloom.nn.speedrun): outside the blocks, so Muon leaves them to AdamW
+        kv_dim = (c.num_kv_heads or c.num_heads) * c.head_dim
+        self.value_embeds = ValueEmbeddings(c.vocab_size, kv_dim, c.num_layers, c.value_embeddings) \
+            if c.value_embeddings else None
+        self.skips = UNetSkips(c.num_layers) if c.unet_skips else None
+        init_gpt_weights(self, c.num_layers)  # the value-embedding tables too: N(0, 0.02)
         if c.tie_embeddings:
             self.lm_head.weight = self.tok_embed.weight
         self.window = Window(c.attention_window, True, c.attention_global) if c.attention_window else None
+
+    def embedding_tables(self) -> list[nn.Parameter]:
+        """The token embedding matrix and the value-embedding tables (``value_embeddings``)."""
+        values = [] if self.value_embeds is None else [table.weight for table in self.value_embeds.tables]
+        return [self.tok_embed.weight, *values]
 
     def create_cache(self, batch_size: int, max_len: int | None = None, dtype: torch.dtype | None = None,
                      device: torch.device | str | None = None,
@@ -276,7 +300,8 @@ class GPT(CountsParameters, nn.Module):
                      ) -> tuple[Tensor, list[Context]]:
         """What the blocks run on: the embedded (B, T) ids, (B, T, C) ((B, C) for the plain one-token ``steps``),
         and each layer's attention :class:`~tokenloom.nn.attention.Context` (mask, rotary angles, its cache
-        layer). The caller runs the layers and then advances ``cache`` by T (:meth:`_features`; early exit,
+        layer; with ``value_embeddings`` its rows lambda_l * table[ids], (B, T, Hkv * D), or None). The caller runs
+        the layers and then advances ``cache`` by T (:meth:`_features`; early exit,
         :mod:`tokenloom.generation.early_exit`)."""
         B, T = input_ids.shape
         position = self.position
@@ -296,31 +321,43 @@ class GPT(CountsParameters, nn.Module):
             q_index = span.queries if span.queries is not None else \
                 torch.arange(span.past, span.keys, device=device)[None]
             relatives = [position.relative(i, q_index) for i in range(len(self.blocks))]
+        values = self.value_embeds(input_ids) if self.value_embeds is not None else [None] * len(self.blocks)
+        parts = zip(layers, relatives, values, strict=True)
         if steps is not None and T == 1:  # (B, C): the step functions take one position per row
             mask, rope = ctx.mask, ctx.rope
             return x.view(B, -1), [Context(mask, False, rope, layer, ragged=span.ragged, band=ctx.band,
-                                                   relative=relative)
-                                   for layer, relative in zip(layers, relatives, strict=True)]
-        return x, [ctx._replace(cache=layer, relative=relative)
-                   for layer, relative in zip(layers, relatives, strict=True)]
+                                           relative=relative, value_embed=value)
+                                   for layer, relative, value in parts]
+        return x, [ctx._replace(cache=layer, relative=relative, value_embed=value) for layer, relative, value in parts]
 
     def _features(self, input_ids: Tensor, positions: Tensor | None, attention_mask: Tensor | None,
                   cache: DecodeCache | None, need_weights: bool,
                   steps: StepFunctions | None, documents: Tensor | None = None) -> tuple[Tensor, list[Tensor | None]]:
-        """:meth:`forward_features` with the step functions looked up (None: the modules run)."""
+        """:meth:`forward_features` with the step functions looked up (None: the modules run): the one block loop,
+        with the U-net skips (``unet_skips``) around each layer, x = skips.enter(i, x, kept) before it and the
+        first half's outputs kept after it (:class:`~tokenloom.nn.speedrun.UNetSkips`)."""
         B, T = input_ids.shape
         x, contexts = self.layer_inputs(input_ids, positions, attention_mask, cache, need_weights, steps, documents)
+        skips, kept = self.skips, []  # U-net skips (unet_skips): the first half's outputs, kept for the second
         if steps is not None:
-            for block, layer_ctx in zip(steps.blocks, contexts, strict=True):
+            for i, (block, layer_ctx) in enumerate(zip(steps.blocks, contexts, strict=True)):
+                if skips is not None:
+                    x = skips.enter(i, x, kept)
                 x = block(x, layer_ctx)
+                if skips is not None:
+                    skips.leave(i, x, kept)
             cache.advance(T)
             return steps.final_norm(x).view(B, T, -1), [None] * len(steps.blocks)
         weights = []
-        for block, layer_ctx in zip(self.blocks, contexts, strict=True):
+        for i, (block, layer_ctx) in enumerate(zip(self.blocks, contexts, strict=True)):
+            if skips is not None:
+                x = skips.enter(i, x, kept)
             if self.config.gradient_checkpointing and self.training and torch.is_grad_enabled():
                 x, w = checkpoint(block, x, layer_ctx, use_reentrant=False, need_weights=need_weights)
             else:
                 x, w = block(x, layer_ctx, need_weights=need_weights)
+            if skips is not None:
+                skips.leave(i, x, kept)
             weights.append(w)
         if cache is not None:
             cache.advance(T)

@@ -99,6 +99,17 @@ def check_memory_options(config: Any) -> None:
               f"{config.attention!r}")
 
 
+def check_speedrun_options(config: Any) -> None:
+    """The speedrun's stack options (:mod:`tokenloom.nn.speedrun`): ``value_embeddings`` an integer in
+    0 .. num_layers (tables feed the first and the last k layers), ``unet_skips`` a bool, with at least 2 layers
+    (one half to keep, one to receive)."""
+    k, layers = config.value_embeddings, config.num_layers
+    check(isinstance(k, int) and not isinstance(k, bool) and 0 <= k <= layers,
+          f"value_embeddings must be an integer in 0..num_layers={layers}, got {k!r}")
+    check(isinstance(config.unet_skips, bool), f"unet_skips must be true or false, got {config.unet_skips!r}")
+    check(not config.unet_skips or layers >= 2, f"unet_skips=True needs num_layers >= 2, got {layers}")
+
+
 def check_window_options(config: Any, window_field: str = "attention_window",
                          global_field: str = "attention_global") -> None:
     """The sliding-window fields named ``window_field`` (None or a positive number of positions) and

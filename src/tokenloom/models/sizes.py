@@ -7,7 +7,8 @@ The estimate counts the big tensors, each as ``values x 4 bytes`` (float32, the 
   ``2 C F`` (``3 C F`` for swiglu), ``F`` the MLP width; Linformer adds ``2 k max_len`` per attention;
 * per recurrent layer ``G H (I + H)`` (G gates: 4 for an LSTM, 3 for a GRU; I its input width, E or H; per
   direction of a bidirectional encoder); a recurrent encoder-decoder's attention, ``W_c`` and bridge;
-* embeddings ``V C`` (twice when not tied or shared), the classifier ``C K``, the patch projection;
+* embeddings ``V C`` (twice when not tied or shared), GPT's value embeddings ``k V Hkv D``, the classifier ``C K``,
+  the patch projection;
 * position tables: learned and sinusoidal ``max_len x C`` (a sinusoid is computed in float64: 12 bytes a value
   while it is built), RoPE's cos and sin ``2 x max_len x D``; Swin's relative-position tables and indices.
 
@@ -79,7 +80,9 @@ def _gpt(c: GPTConfig, prefix: str) -> list[Part]:
                  c.num_layers * block),
             Part(f"{prefix}vocab_size={c.vocab_size}", f"embeddings of {c.vocab_size} tokens",
                  c.vocab_size * c.embed_dim * (1 if c.tie_embeddings else 2)),
-            *_positions(prefix, "max_seq_len", c.position, c.max_seq_len, c)]
+            *_positions(prefix, "max_seq_len", c.position, c.max_seq_len, c),
+            *([Part(f"{prefix}value_embeddings={c.value_embeddings}", f"{c.value_embeddings} value-embedding tables",
+                    c.value_embeddings * c.vocab_size * kv * c.head_dim)] if c.value_embeddings else [])]
 
 
 def _universal(c: UniversalConfig, prefix: str) -> list[Part]:

@@ -237,9 +237,21 @@ class Context(NamedTuple):
     band: Band | None = None  # block-wise attention instead of ``mask``: a sliding window over the whole sequence
     #   (:class:`~.sliding.Band`), or a paged cache's groups of rows (:class:`~.paged.PagedLayout`)
     relative: Relative | None = None  # this layer's query-dependent position term (Position.relative: XL)
+    value_embed: Tensor | None = None  # self-attention: rows added to this layer's values before they are cached,
+    #   (B, T, Hkv * D): the speedrun's value embeddings, lambda_l * table[ids] (:mod:`.speedrun`)
 
 
 NO_CONTEXT = Context()
+
+
+def mixed_values(v: Tensor, ctx: Context) -> Tensor:
+    """v (B, Hkv, T, D) as a self-attention layer stores and attends over it: ``v + ctx.value_embed`` viewed as
+    (B, Hkv, T, D) where the context carries value-embedding rows (B, T, Hkv * D), else v."""
+    rows = ctx.value_embed
+    if rows is None:
+        return v
+    B, Hkv, T, D = v.shape
+    return v + rows.view(B, T, Hkv, D).transpose(1, 2).to(v.dtype)
 
 Linear = Callable[[Tensor], Tensor]
 
@@ -372,6 +384,7 @@ class MultiHeadAttention(nn.Module):
                 else:
                     qk, v = qkv.split_with_sizes((H + Hkv, Hkv), 1)
                     q, k = apply_rotary(qk, *rope).split_with_sizes((H, Hkv), 1)  # q and k rotated together
+            v = mixed_values(v, ctx)
             mask, causal = ctx.mask, ctx.is_causal
             if queries is not None:
                 assert ctx.cache is None and not causal, "queries is for uncached attention without a causal mask"

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from ..errors import GenerationError
-from .attention import Context, MultiHeadAttention
+from .attention import Context, MultiHeadAttention, mixed_values
 from .block import inference_function
 from .fused import decode_linear
 from .norms import create_norm
@@ -90,7 +90,8 @@ def confident(logits: Tensor, threshold: float) -> Tensor:
 def key_value_store(attn: MultiHeadAttention, rows: int | None) -> Callable[[Tensor, Context, Tensor], Tensor]:
     """A self-attention sublayer ``(h, ctx, residual) -> residual`` that only projects ``h``'s keys and values
     (the k and v rows of the fused qkv projection; no queries) and stores them through ``ctx.cache`` (nothing to
-    store without one), normed and rotated as the attention itself stores them (:meth:`MultiHeadAttention.keys`).
+    store without one), normed and rotated as the attention itself stores them (:meth:`MultiHeadAttention.keys`),
+    the values mixed with the layer's value embeddings where the context carries them (:func:`.attention.mixed_values`).
     ``rows``: bound for one-token steps of that many rows (h (B, C)); None: whole sequences (h (B, T, C))."""
     H, Hkv, D = attn.num_heads, attn.num_kv_heads, attn.head_dim
     proj = attn.qkv_proj
@@ -109,7 +110,7 @@ def key_value_store(attn: MultiHeadAttention, rows: int | None) -> Callable[[Ten
         # (B, 2 Hkv, T, D), one position per row needing no transpose
         kv = kv.view(B, 2 * Hkv, 1, D) if h.dim() == 2 else kv.view(B, h.shape[1], 2 * Hkv, D).transpose(1, 2)
         k, v = kv.split_with_sizes((Hkv, Hkv), 1)
-        ctx.cache.update(attn.keys(k, ctx.rope), v)
+        ctx.cache.update(attn.keys(k, ctx.rope), mixed_values(v, ctx))
         return residual
 
     return store

@@ -83,15 +83,21 @@ class LMTask(Sharded):
     default_family = "gpt"
     counts_model_tokens = True  # every (x, y) window's tokens run forward and backward: the progress line's MFU
     takes_z_loss = True  # train.z_loss: added to the training loss (loss())
+    takes_seq_len_warmup = True  # train.seq_len_warmup: the training windows grow (train_seq_len())
 
     def __init__(self, dataset: TextDataset, *, batch_size: int, seq_len: int, label_smoothing: float = 0.0,
                  eval_batches: int | None = 20, order: str = "random", memory_len: int = 0,
-                 z_loss: float = 0.0) -> None:
+                 z_loss: float = 0.0, seq_len_warmup: int = 0, seq_len_start: int = 64) -> None:
         self.dataset = dataset
         self.batch_size, self.seq_len = batch_size, seq_len
         self.label_smoothing = label_smoothing
         self.z_loss = z_loss  # train.z_loss: the weight of the training loss's z-loss term (0: off)
         self.eval_batches = eval_batches
+        if seq_len_warmup and (order == "stream" or memory_len or not 1 <= seq_len_start <= seq_len):
+            raise ConfigError(f"train.seq_len_warmup={seq_len_warmup} needs data.order random, no model.memory_len and "
+                              f"1 <= train.seq_len_start ({seq_len_start}) <= seq_len ({seq_len})")
+        self.seq_len_warmup, self.seq_len_start = seq_len_warmup, seq_len_start
+        self.step = 0  # the optimizer update about to happen (the Trainer sets it): train_seq_len(step)
         if memory_len and order != "stream":
             raise ConfigError(f"model.memory_len={memory_len} needs data.order: stream (each batch row a contiguous "
                               "stream, so the memory continues the text)")
@@ -99,6 +105,17 @@ class LMTask(Sharded):
         self.epoch, self.segment, self.offset = 0, 0, 0  # stream order: the pass, its next segment, its shift
         self.memory = None  # the training memory (a SegmentMemory), made on the first batch
         self._wrapped = False
+
+    def train_seq_len(self, step: int) -> int:
+        """The training window length at ``step`` (0-based): ``seq_len`` from step ``seq_len_warmup`` on; before it
+        ``s0 = seq_len_start`` grown linearly, rounded down to a multiple of s0 (never below s0):
+        ``max(s0, floor((s0 + (seq_len - s0) * step / seq_len_warmup) / s0) * s0)`` (integer arithmetic). Evaluation
+        always reads ``seq_len``. Depends on the step alone, so a resumed run draws the same windows."""
+        n, s0 = self.seq_len_warmup, self.seq_len_start
+        if not n or step >= n:
+            return self.seq_len
+        grown = s0 + (self.seq_len - s0) * step // n
+        return min(self.seq_len, max(s0, grown // s0 * s0))
 
     def state_dict(self) -> dict[str, int]:
         return {"epoch": self.epoch, "segment": self.segment, "offset": self.offset}
@@ -111,8 +128,8 @@ class LMTask(Sharded):
     @classmethod
     def setup(cls, data: LMDataConfig, model_section: dict[str, Any], run_dir: Path, *, batch_size: int,
               seq_len: int | None, label_smoothing: float, eval_batches: int | None,
-              tokenizer: Tokenizer | None = None, seed: int = 0,
-              z_loss: float = 0.0) -> tuple[LMTask, nn.Module, Tokenizer, dict[str, Any]]:
+              tokenizer: Tokenizer | None = None, seed: int = 0, z_loss: float = 0.0, seq_len_warmup: int = 0,
+              seq_len_start: int = 64) -> tuple[LMTask, nn.Module, Tokenizer, dict[str, Any]]:
         """Tokenizer (trained unless given), token memmaps in ``run_dir/data``, and the model with its
         ``vocab_size`` (and, if unset, ``max_seq_len``) taken from the data. Returns (task, model,
         tokenizer, resolved model section)."""
@@ -124,12 +141,12 @@ class LMTask(Sharded):
         model = create_model(family, model_config)
         task = cls(dataset, batch_size=batch_size, seq_len=seq_len, label_smoothing=label_smoothing,
                    eval_batches=eval_batches, order=data.order, memory_len=getattr(model_config, "memory_len", 0),
-                   z_loss=z_loss)
+                   z_loss=z_loss, seq_len_warmup=seq_len_warmup, seq_len_start=seq_len_start)
         return task, model, tokenizer, {"family": family, **section}
 
     def get_batch(self, generator: torch.Generator) -> tuple[Tensor, Tensor]:
-        """``batch_size`` random windows, or the next segment of each stream (distributed: this rank's slice of the
-        global batch's rows)."""
+        """``batch_size`` random windows (of :meth:`train_seq_len` tokens at this step), or the next segment of each
+        stream (distributed: this rank's slice of the global batch's rows)."""
         rows = self.batch_size * self.world_size
         if self.order == "stream":
             if self.segment >= self.dataset.streams("train", rows, self.seq_len, self.offset):
@@ -140,7 +157,7 @@ class LMTask(Sharded):
             self._wrapped = self.segment == 0
             self.segment += 1
         else:
-            x, y = self.dataset.get_batch("train", rows, self.seq_len, generator)
+            x, y = self.dataset.get_batch("train", rows, self.train_seq_len(self.step), generator)
         if self.world_size == 1:
             return x, y
         rows = self.local(self.batch_size)

@@ -26,6 +26,8 @@ class Sharded:
     counts_model_tokens: bool = False  # the count is every token the model ran forward and backward over (plain
     #   language modelling): the progress line estimates the MFU from it (tokenloom.training.progress)
     takes_z_loss: bool = False  # setup() takes z_loss=: train.z_loss, the weight of a z-loss term in its training loss
+    takes_seq_len_warmup: bool = False  # setup() takes seq_len_warmup= and seq_len_start=: train.seq_len_warmup, its
+    #   training windows grow over the first updates (the step it reads from its `step`, which the Trainer sets)
 
     @classmethod
     def model_stand_ins(cls, model: dict[str, Any], data: dict[str, Any]) -> dict[str, Any]:

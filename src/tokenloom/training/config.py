@@ -162,7 +162,16 @@ class TrainConfig:
     #   (e.g. val_bleu, val_acc: higher is better; val_loss / val_ppl: lower is better)
     average_last: int = 0  # at the end, average the weights of the last N checkpoints into <run>/averaged
     activation_checkpointing: bool = False  # recompute each block's activations in backward (less memory, more time)
-    compile: bool = False  # run the training forward through torch.compile (falls back to eager, with a warning)
+    compile: bool | Literal["model", "step"] = False  # torch.compile (TorchInductor; falls back to eager with a
+    #   one-line warning): model = the training forward (and, through AOTAutograd, its backward); step = the forward
+    #   and the optimizer's step; true = everything that pays (training/compile.py: measured, see COMPILE_TRUE there)
+    ema: float = 0.0  # decay of an exponential moving average of the float32 (master) weights, updated after every
+    #   optimizer step: ema = d_t * ema + (1 - d_t) * w with d_t = min(ema, (1 + t) / (10 + t)), t the updates so far;
+    #   evaluations and the checkpoint's model.safetensors use the average (training/ema.py); 0 = off (e.g. 0.999)
+    seq_len_warmup: int = 0  # language models (task lm): over the first N updates the training windows grow from
+    #   seq_len_start to seq_len (linearly, rounded down to a multiple of seq_len_start; the batch size stays, so
+    #   the tokens per update grow); evaluation always reads seq_len; 0 = off
+    seq_len_start: int = 64  # seq_len_warmup: the window length at step 0 (<= seq_len)
     compile_mode: str = "default"  # torch.compile mode: default | reduce-overhead | max-autotune
     strategy: str = "auto"  # several processes (torchrun): auto | single | ddp | fsdp (docs/distributed.md)
     backend: str = "auto"  # torch.distributed backend: auto | gloo | nccl (auto: nccl on CUDA, gloo on the CPU)
@@ -196,7 +205,13 @@ class TrainConfig:
               and self.max_nonfinite >= 0,
               f"train.max_nonfinite must be an integer >= 0 (0 = never stop), got {self.max_nonfinite!r}")
         check_choice("train.schedule", self.schedule, SCHEDULES)
-        check(0.0 <= self.decay_fraction <= 1.0, f"train.decay_fraction must be in [0, 1], got {self.decay_fraction}")
+        check(0.0 < self.decay_fraction <= 1.0, f"train.decay_fraction must be in (0, 1], got {self.decay_fraction}")
+        if self.schedule == "wsd":  # warmup, then the stable phase, then the decay: the three must fit max_steps
+            check(self.warmup_steps + self.decay_fraction * self.max_steps <= self.max_steps,
+                  f"train.schedule wsd: train.warmup_steps ({self.warmup_steps}) + train.decay_fraction "
+                  f"({self.decay_fraction:g}) x train.max_steps ({self.max_steps}) = "
+                  f"{self.warmup_steps + self.decay_fraction * self.max_steps:g} is more than train.max_steps; "
+                  "lower warmup_steps or decay_fraction")
         check(self.optimizer in OPTIMIZERS, f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got "
                                             f"{self.optimizer!r}{did_you_mean(self.optimizer, OPTIMIZERS)}")
         check(self.muon_lr > 0, f"train.muon_lr must be positive, got {self.muon_lr}")
@@ -208,11 +223,39 @@ class TrainConfig:
                                   f"{did_you_mean(value, known)}")
         check(isinstance(self.device, str) and DEVICE.match(self.device.strip().lower()) is not None,
               f"train.device must be auto, cpu, cuda, cuda:N or mps, got {self.device!r}")
+        check(isinstance(self.ema, (int, float)) and not isinstance(self.ema, bool) and 0.0 <= self.ema < 1.0,
+              f"train.ema must be a decay in [0, 1) (0 = off), got {self.ema!r}")
+        check(isinstance(self.seq_len_warmup, int) and not isinstance(self.seq_len_warmup, bool)
+              and self.seq_len_warmup >= 0, f"train.seq_len_warmup must be an integer >= 0 (0 = off), got "
+                                            f"{self.seq_len_warmup!r}")
+        check(self.seq_len_start >= 1, f"train.seq_len_start must be >= 1, got {self.seq_len_start}")
+        check(self.compile in (True, False, "model", "step"),
+              f"train.compile must be true, false, model or step, got {self.compile!r}")
         check(self.compile_mode in ("default", "reduce-overhead", "max-autotune"),
               f"train.compile_mode must be default, reduce-overhead or max-autotune, got {self.compile_mode!r}")
         if self.min_lr is None:
             self.min_lr = self.lr / 10
         check(0 <= self.min_lr <= self.lr, f"train.min_lr must be in [0, lr={self.lr}], got {self.min_lr}")
+
+
+def check_seq_len_warmup(train: TrainConfig, task: str, task_cls: Any, model: dict[str, Any],
+                         data: dict[str, Any]) -> None:
+    """``train.seq_len_warmup`` > 0: a task that draws windows it can shorten (lm), in random order (a stream's
+    segments, which a Transformer-XL memory continues, keep one length), and ``seq_len_start`` <= the training
+    length (``train.seq_len``, else ``model.max_seq_len``); one line naming the field and the value otherwise."""
+    n = train.seq_len_warmup
+    check(task_cls.takes_seq_len_warmup, f"train.seq_len_warmup={n} applies to language-model training (task lm), "
+                                         f"not {task!r} (set it to 0)")
+    order = data.get("order", "random") if isinstance(data, dict) else "random"
+    check(order != "stream", f"train.seq_len_warmup={n} draws windows at random offsets; data.order: stream keeps "
+                             "one segment length (set train.seq_len_warmup to 0 or data.order to random)")
+    memory = model.get("memory_len") or 0
+    check(not memory, f"train.seq_len_warmup={n} does not apply to a model with a memory (model.memory_len="
+                      f"{memory}): set train.seq_len_warmup to 0")
+    length = train.seq_len if train.seq_len is not None else model.get("max_seq_len")
+    check(not isinstance(length, int) or train.seq_len_start <= length,
+          f"train.seq_len_start ({train.seq_len_start}) must be <= the training length "
+          f"({'train.seq_len' if train.seq_len is not None else 'model.max_seq_len'} = {length})")
 
 
 def check_log_to(value: list[str] | str) -> list[str]:
@@ -282,6 +325,8 @@ class RunConfig:
                    f"train.scheduled_sampling applies to the translation task, not {self.task!r}")
             gather(errors, check, self.train.z_loss == 0 or task_cls.takes_z_loss,
                    f"train.z_loss applies to language-model training (task lm), not {self.task!r} (set it to 0)")
+            if self.train.seq_len_warmup:
+                gather(errors, check_seq_len_warmup, self.train, self.task, task_cls, model, self.data)
         if errors:
             raise ConfigProblems(errors)  # (also one alone: from_dict then reports it as it is)
 

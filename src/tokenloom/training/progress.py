@@ -25,8 +25,9 @@ from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
 Mode = Literal["bar", "lines", "off"]
-SHOWN = ("step", "loss", "lr", "ms_per_step", "tokens_per_s", "elapsed_s")  # the record's fields the line shows
-#   first (elapsed_s: not shown); every other number of the record is the task's and follows
+# the record's fields the line shows first (elapsed_s, train_s: not shown); every other number of the record is the
+#   task's and follows
+SHOWN = ("step", "loss", "lr", "ms_per_step", "tokens_per_s", "elapsed_s", "train_s")
 
 
 def progress_mode(show_progress: bool | None, is_main: bool = True) -> Mode:

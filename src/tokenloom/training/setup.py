@@ -75,7 +75,8 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
             config.data_config, model_section, run_dir, batch_size=t.batch_size, seq_len=t.seq_len,
             label_smoothing=t.label_smoothing, eval_batches=t.eval_batches, tokenizer=tokenizer, seed=t.seed, **extra,
             **({"scheduled_sampling": t.scheduled_sampling} if t.scheduled_sampling.schedule != "none" else {}),
-            **({"z_loss": t.z_loss} if t.z_loss else {}))
+            **({"z_loss": t.z_loss} if t.z_loss else {}),
+            **({"seq_len_warmup": t.seq_len_warmup, "seq_len_start": t.seq_len_start} if t.seq_len_warmup else {}))
     except VocabularyError as err:  # the data has characters the given tokenizer lacks: name what fixed it
         if tokenizer is None:
             raise

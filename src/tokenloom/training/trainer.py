@@ -33,16 +33,17 @@ from torch import nn
 
 from ..checkpoint import STATE_FILE, read_config, resolve_checkpoint, write_checkpoint
 from ..devices import peak_memory, to_device, training_device
-from ..errors import CheckpointError, TrainingError
+from ..errors import CheckpointError, ConfigError, TrainingError
 from ..hardware import choose_precision, machine
 from ..metric_scope import scope_fields, scoped_name
 from ..nn.fused import weights_updated
 from ..nn.lora import AdapterSpec, frozen_state_names, lora_state_dict, parameter_counts, save_adapter
 from ..nn.modes import eval_mode
 from . import distributed
-from .compile import CompiledForward
+from .compile import CompiledForward, CompiledStep, available_parts
 from .config import RunConfig, TrainConfig
 from .distributed import SINGLE, Distributed
+from .ema import WeightAverage
 from .optim import create_optimizer, hidden_matrices, load_named_optimizer_state, named_optimizer_state
 from .precision import MasterWeights, autocast
 from .progress import progress_mode, training_progress
@@ -158,7 +159,11 @@ class Trainer:
             raise TrainingError("train.lora with train.strategy fsdp is not supported (the frozen base and the "
                                 "adapters would be sharded alike); use ddp")
         self.parameter_counts = parameter_counts(model)  # (trainable, total) values
-        self.forward_model = CompiledForward(model, t.compile_mode) if t.compile else model  # what the loss calls
+        # train.compile: the forward (model) and the optimizer's step (step) through torch.compile; unavailable
+        # here: one warning, eager
+        self.compiled_parts = available_parts(t.compile)
+        self.forward_model = CompiledForward(model, t.compile_mode, checked=True) \
+            if "model" in self.compiled_parts else model  # what the loss calls
         # DDP / FSDP wrap the whole loss computation (TaskLoss), not just the model's forward
         self.wrapper = distributed.TaskLoss(task, model, self.forward_model) if dist.strategy != "single" else None
         if self.fsdp:  # sharded in place, before the optimizer sees the (now sharded) parameters
@@ -172,13 +177,25 @@ class Trainer:
         # train.optimizer muon: Muon for the Linear weights of the model's block stack (hidden_matrices), AdamW for
         # the rest
         hidden = hidden_matrices(model) if t.optimizer == "muon" else []
-        if t.optimizer == "muon" and (self.fsdp or not hidden):
-            raise TrainingError("train.optimizer muon needs a model with Linear layers in a `blocks` stack and no fsdp"
-                                " strategy; use train.optimizer adamw")
+        if t.optimizer == "muon" and self.fsdp:
+            raise ConfigError("train.optimizer=muon with train.strategy=fsdp is not supported; use train.optimizer "
+                              "adamw or train.strategy ddp")
+        if t.optimizer == "muon" and not hidden:
+            raise ConfigError(f"train.optimizer=muon: this {type(model).__name__} model has no trainable 2-D weights "
+                              "in a `blocks` stack for Muon (optim.hidden_matrices finds none); use train.optimizer "
+                              "adamw")
         if self.master is not None:
             hidden = [self.master.master_of(p) for p in hidden]
         self.optimizer = create_optimizer(params, lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas),
-                                          optimizer=t.optimizer, muon_lr=t.muon_lr, hidden=hidden)
+                                          optimizer=t.optimizer, muon_lr=t.muon_lr, hidden=hidden,
+                                          tensor_lr="step" in self.compiled_parts)
+        self.compiled_step = CompiledStep(self.optimizer, t.compile_mode) if "step" in self.compiled_parts else None
+        # train.ema: the float32 moving average of what the optimizer updates (the masters in bf16), training/ema.py
+        if t.ema and self.fsdp:
+            raise ConfigError(f"train.ema={t.ema} with train.strategy=fsdp is not supported (the average would be "
+                              "sharded); use train.strategy ddp or set train.ema to 0")
+        self.ema = WeightAverage([p for g in self.optimizer.param_groups for p in g["params"]], t.ema) \
+            if t.ema else None
         self.schedule_spec = ScheduleSpec.of(t)  # a resume replaces it by the run's recorded one (load_state)
         self.scheduler = self.schedule_spec.create(self.optimizer)
         # fp16 (CUDA): losses scaled so small gradients survive float16; an overflowing step is skipped (counted with
@@ -223,7 +240,23 @@ class Trainer:
 
     def save(self) -> Path:
         """Write the checkpoint (weights, config, tokenizer, trainer state) atomically. Distributed: every rank
-        takes part (full state dicts are gathered, each rank's random states collected); rank 0 writes."""
+        takes part (full state dicts are gathered, each rank's random states collected); rank 0 writes. With
+        ``train.ema`` the weights written are the average; the raw ones go into the trainer state (training/ema.py)."""
+        ema = self.ema.state_dict(self._ema_names()) if self.ema is not None else None
+        with self._averaged():
+            return self._save(ema)
+
+    def _ema_names(self) -> list[str]:
+        names = self._param_names()
+        return [names[id(p)] for p in self.ema.params]
+
+    def _averaged(self) -> contextlib.AbstractContextManager:
+        """``train.ema``: the parameters hold the average inside the block (else: nothing changes)."""
+        if self.ema is None:
+            return contextlib.nullcontext()
+        return self.ema.swapped(self.master.copy_to_model if self.master is not None else weights_updated)
+
+    def _save(self, ema: dict | None) -> Path:
         if self.fsdp:  # one gather for both
             weights, optimizer = distributed.full_state(self.wrapper, self.optimizer)
         else:
@@ -253,6 +286,7 @@ class Trainer:
                 "tokens_seen": self.tokens_seen,
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "task": self.task.state_dict() if hasattr(self.task, "state_dict") else None,
+                "ema": ema,  # train.ema: the average and the raw weights (training/ema.py)
             }, tmp / STATE_FILE)
 
         if self.dist.is_main:
@@ -412,11 +446,33 @@ class Trainer:
                 self.scaler.load_state_dict(state["scaler"])
             if state.get("task") is not None and hasattr(self.task, "load_state_dict"):
                 self.task.load_state_dict(state["task"])
+            self._load_ema(state.get("ema"))
         except OSError as err:
             raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
         except (RuntimeError, KeyError, ValueError, EOFError, TypeError, IndexError) as err:
             raise CheckpointError(f"{path} is truncated or corrupt ({(str(err).splitlines() or [repr(err)])[0]})") \
                 from None
+
+    def _load_ema(self, state: dict | None) -> None:
+        """``train.ema``: the average and the raw weights (the model was loaded with the average) from a trainer
+        state; a run that starts averaging on resume starts from its weights."""
+        if self.ema is None:
+            if state is not None:  # the average was on and is now off: train on from the raw weights
+                with torch.no_grad():
+                    names = self._param_names()
+                    for p in (p for g in self.optimizer.param_groups for p in g["params"]):
+                        p.copy_(state["weights"][names[id(p)]])
+                if self.master is not None:
+                    self.master.copy_to_model()
+            return
+        if state is None:
+            warnings.warn("train.ema: the checkpoint resumed holds no average; it starts from the current weights",
+                          stacklevel=3)
+            return
+        self.ema.load_state_dict(state, self._ema_names())
+        if self.master is not None:
+            self.master.copy_to_model()
+        weights_updated()
 
     def _keep_schedule(self, state: dict[str, Any], checkpoint: Path) -> None:
         """A resume trains on the learning-rate schedule the run started with, whatever this resume's ``train``
@@ -526,13 +582,15 @@ class Trainer:
         results); rank 0 logs. The metrics carry how much of the split they cover (``eval_batches``,
         ``eval_split_batches``: :mod:`tokenloom.metric_scope`)."""
         gathered = distributed.unsharded(self.wrapper) if self.fsdp else contextlib.nullcontext()
-        with eval_mode(self.model), autocast(self.config.train.precision, self.device.type), torch.no_grad(), gathered:
-            metrics = self.task.evaluate(self.model)
-        metrics.pop("tokens", None)
-        metrics.update(self._eval_scope())
-        self.last_eval = metrics
-        self._log({"step": self.step, **metrics})
-        self._keep_best(metrics)
+        with self._averaged():  # train.ema: the average is evaluated (and kept as <run>/best)
+            with eval_mode(self.model), autocast(self.config.train.precision, self.device.type), torch.no_grad(), \
+                    gathered:
+                metrics = self.task.evaluate(self.model)
+            metrics.pop("tokens", None)
+            metrics.update(self._eval_scope())
+            self.last_eval = metrics
+            self._log({"step": self.step, **metrics})
+            self._keep_best(metrics)
         return metrics
 
     def _eval_scope(self) -> dict[str, int]:
@@ -620,9 +678,13 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
+        elif self.compiled_step is not None:  # train.compile: step
+            self.compiled_step()
         else:
             self.optimizer.step()
         weights_updated()  # the fused AdamW bumps no version counter: decode steps must not reuse pre-step weights
+        if self.ema is not None:
+            self.ema.update()
         self.scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
@@ -694,6 +756,7 @@ class Trainer:
                                      self.model_section, self.parameter_counts[1], self.device, self.dist.world_size,
                                      start_step)
         window_tokens, window_start, window_step, loss = 0, time.perf_counter(), self.step, float("nan")
+        paused_s = 0.0  # evaluations and checkpoints of this run: left out of train_s
         stopped_by = "max_steps"
         failure: TrainingError | None = None
         with self._graceful_interrupt(), self._tensorboard_log():
@@ -719,10 +782,11 @@ class Trainer:
                 if self.step % t.log_every == 0 or self.step == t.max_steps:
                     # the window's training time only: evaluations and checkpoints are left out of its rates
                     elapsed = max(time.perf_counter() - window_start, 1e-9)
-                    record = {"step": self.step, "loss": round(loss, 7), "lr": self.scheduler.get_last_lr()[0],
+                    record = {"step": self.step, "loss": round(loss, 7), "lr": float(self.scheduler.get_last_lr()[0]),
                               "tokens_per_s": round(window_tokens / elapsed, 1),
                               "ms_per_step": round(1000 * elapsed / max(self.step - window_step, 1), 2),
                               "elapsed_s": round(time.perf_counter() - start_time, 2),
+                              "train_s": round(time.perf_counter() - start_time - paused_s, 2),
                               **self.task.train_metrics()}  # the task's own (GRPO: reward, kl, ...)
                     self._log(record)
                     progress.show(record)
@@ -737,6 +801,7 @@ class Trainer:
                 if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.max_steps:
                     self.save()
                 window_start += time.perf_counter() - paused
+                paused_s += time.perf_counter() - paused
                 interrupted, out_of_time = self._agree(
                     self._stop_requested,
                     t.max_minutes is not None and time.perf_counter() - start_time > 60 * t.max_minutes)
