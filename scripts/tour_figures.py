@@ -302,7 +302,7 @@ def norm(t: Tour) -> None:
     sweep = t.fresh("norm")
     spec = t.work / "norm-sweep.yaml"
     spec.write_text(f"""name: tour-norm
-recipe: {ROOT / 'configs' / 'shakespeare-char.yaml'}
+recipe: {ROOT / 'configs' / 'shakespeare-char-adamw.yaml'}
 set:
   model.embed_dim: 128
   model.num_heads: 4

@@ -31,17 +31,17 @@ def test_a_bare_name_finds_the_packaged_recipe(tmp_path, monkeypatch):
     path = resolve_recipe("shakespeare-char")
     assert path == packaged_recipes()["shakespeare-char"]
     assert resolve_recipe("shakespeare-char.yaml") == path == packaged_recipe("shakespeare-char")
-    config = load_run_config("shakespeare-char", ["train.max_steps=7"])
-    assert config.train.max_steps == 7 and config.data["path"] == "data/tinyshakespeare/input.txt"
+    config = load_run_config("shakespeare-char", ["train.max_steps=700"])
+    assert config.train.max_steps == 700 and config.data["path"] == "data/tinyshakespeare/input.txt"
 
 
 def test_an_existing_file_wins_over_the_packaged_recipe(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     recipe = yaml.safe_load(packaged_recipes()["shakespeare-char"].read_text())
-    recipe["train"]["max_steps"] = 11
+    recipe["train"]["max_steps"] = 1100
     Path("shakespeare-char").write_text(yaml.safe_dump(recipe))
     assert resolve_recipe("shakespeare-char") == Path("shakespeare-char")
-    assert load_run_config("shakespeare-char").train.max_steps == 11
+    assert load_run_config("shakespeare-char").train.max_steps == 1100
     Path("shakespeare-char.yaml").write_text(yaml.safe_dump(recipe))
     assert resolve_recipe("shakespeare-char.yaml") == Path("shakespeare-char.yaml")
 
