@@ -49,18 +49,23 @@ def time_to(curve: list[tuple[int, float, float]], target: float) -> float | Non
     return next((s for _, s, loss in curve if loss <= target), None)
 
 
-def run_variant(recipe: str, overrides: list[str], out: Path, minutes: float, eval_every: int,
-                threads: int | None) -> list[tuple[int, float, float]]:
-    sets = [f"train.max_minutes={minutes}", f"train.eval_every={eval_every}", f"train.eval_batches={WHOLE_SPLIT}",
-            "train.checkpoint_every=0", "train.log_every=" + str(_log_every(eval_every)), *overrides]
-    if threads:
-        sets.append(f"train.threads={threads}")
+def train(recipe: str, sets: list[str], out: Path) -> None:
+    """``tokenloom train recipe --out out --set ...`` in a subprocess; its stderr's tail on failure."""
     command = [sys.executable, "-m", "tokenloom", "train", recipe, "--out", str(out)]
     for item in sets:
         command += ["--set", item]
     done = subprocess.run(command, capture_output=True, text=True)
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+
+
+def run_variant(recipe: str, overrides: list[str], out: Path, minutes: float, eval_every: int,
+                threads: int | None) -> list[tuple[int, float, float]]:
+    sets = [f"train.max_minutes={minutes}", f"train.eval_every={eval_every}", f"train.eval_batches={WHOLE_SPLIT}",
+            "train.checkpoint_every=0", "train.log_every=" + str(_log_every(eval_every)), *overrides]
+    if threads:
+        sets.append(f"train.threads={threads}")
+    train(recipe, sets, out)
     return read_curve(out / "metrics.jsonl")
 
 
@@ -73,12 +78,7 @@ def fitted_steps(recipe: str, overrides: list[str], out: Path, minutes: float, t
             "train.seq_len_warmup=0", "train.eval_every=0",
             "train.eval_batches=1", "train.checkpoint_every=0", "train.log_every=10"] + \
         ([f"train.threads={threads}"] if threads else [])
-    command = [sys.executable, "-m", "tokenloom", "train", recipe, "--out", str(out)]
-    for item in sets:
-        command += ["--set", item]
-    done = subprocess.run(command, capture_output=True, text=True)
-    if done.returncode != 0:
-        raise SystemExit(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+    train(recipe, sets, out)
     seconds = {r["step"]: r["train_s"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
                if "train_s" in r}
     per_step = (seconds[60] - seconds[10]) / 50

@@ -55,6 +55,22 @@ def available_parts(value: bool | str) -> tuple[str, ...]:
     return parts
 
 
+def compiled_or_eager(owner: Any, what: str, then: str, eager: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``owner.compiled(*args, **kwargs)``, or ``eager(...)`` where ``owner.compiled`` is None; a compiler failure
+    warns once (``train.compile: compiling {what} failed (...); {then}``), drops the compiled callable and repeats
+    the call eagerly. Any other error propagates."""
+    if owner.compiled is None:
+        return eager(*args, **kwargs)
+    try:
+        return owner.compiled(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 — any compiler failure: fall back, never stop the run
+        if not from_compiler(error):
+            raise
+        warnings.warn(f"train.compile: compiling {what} failed ({first_line(error)}); {then}", stacklevel=3)
+        owner.compiled = None
+        return eager(*args, **kwargs)
+
+
 class CompiledStep:
     """``optimizer.step()`` through ``torch.compile`` (its learning rates must be tensors: :func:`create_optimizer`
     with ``tensor_lr=True``); falls back to the eager step, with one warning, when compiling fails (the failing
@@ -70,18 +86,7 @@ class CompiledStep:
         self.optimizer.step()
 
     def __call__(self) -> None:
-        if self.compiled is None:
-            self.optimizer.step()
-            return
-        try:
-            self.compiled()
-        except Exception as error:  # noqa: BLE001 — any compiler failure: fall back, never stop the run
-            if not from_compiler(error):
-                raise
-            warnings.warn(f"train.compile: compiling the optimizer step failed ({first_line(error)}); stepping "
-                          "eagerly", stacklevel=2)
-            self.compiled = None
-            self.optimizer.step()
+        compiled_or_eager(self, "the optimizer step", "stepping eagerly", self.optimizer.step)
 
 
 class CompiledForward:
@@ -101,17 +106,7 @@ class CompiledForward:
             self.compiled = torch.compile(model, mode=mode)
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        if self.compiled is None:
-            return self.model(*args, **kwargs)
-        try:
-            return self.compiled(*args, **kwargs)
-        except Exception as error:  # noqa: BLE001 — any compiler failure: fall back, never stop the run
-            if not from_compiler(error):
-                raise
-            warnings.warn(f"train.compile: compiling the model failed ({first_line(error)}); training eagerly",
-                          stacklevel=2)
-            self.compiled = None
-            return self.model(*args, **kwargs)
+        return compiled_or_eager(self, "the model", "training eagerly", self.model, *args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.model, name)
