@@ -20,7 +20,8 @@ DATA = ROOT / "data" / "tinyshakespeare" / "input.txt"
 CHECKPOINT = ROOT / "checkpoints" / "shakespeare-char"
 TINY = ["model.num_layers=1", "model.num_heads=2", "model.embed_dim=32", "model.max_seq_len=32", "train.seq_len=32",
         "train.batch_size=4", "train.max_steps=2", "train.warmup_steps=0", "train.eval_every=0",
-        "train.eval_batches=1", "train.checkpoint_every=0", "train.precision=fp32", "train.max_minutes=null"]
+        "train.eval_batches=1", "train.checkpoint_every=0", "train.precision=fp32", "train.max_minutes=null",
+        "train.seq_len_warmup=0"]
 
 
 def _env() -> dict[str, str]:

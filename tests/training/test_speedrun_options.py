@@ -211,7 +211,8 @@ def test_muon_on_a_model_without_block_matrices_is_one_line(tmp_path):
     ({"ema": -0.1}, r"^train.ema must be a decay in \[0, 1\) \(0 = off\), got -0.1$"),
     ({"seq_len_warmup": -1}, r"^train.seq_len_warmup must be an integer >= 0 \(0 = off\), got -1$"),
     ({"seq_len_warmup": 4, "seq_len_start": 32}, r"^train.seq_len_start \(32\) must be <= the training length "
-                                                 r"\(train.seq_len = 16\)$"),
+                                                 r"\(train.seq_len = 16\): lower train.seq_len_start "
+                                                 r"or set train.seq_len_warmup to 0$"),
     ({"compile": "optimizer"}, r"train.compile"),
 ])
 def test_bad_speedrun_settings_are_one_line_naming_the_field(tmp_path, changes, match):

@@ -255,7 +255,8 @@ def check_seq_len_warmup(train: TrainConfig, task: str, task_cls: Any, model: di
     length = train.seq_len if train.seq_len is not None else model.get("max_seq_len")
     check(not isinstance(length, int) or train.seq_len_start <= length,
           f"train.seq_len_start ({train.seq_len_start}) must be <= the training length "
-          f"({'train.seq_len' if train.seq_len is not None else 'model.max_seq_len'} = {length})")
+          f"({'train.seq_len' if train.seq_len is not None else 'model.max_seq_len'} = {length}): lower "
+          "train.seq_len_start or set train.seq_len_warmup to 0")
 
 
 def check_log_to(value: list[str] | str) -> list[str]:
