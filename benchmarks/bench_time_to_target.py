@@ -13,6 +13,11 @@ split), and logs ``train_s``: the run's training seconds, evaluations and checkp
 first steps included. A target's time is the ``train_s`` of the first evaluation at or below it (so the resolution
 is ``--eval-every`` steps). The machine (CPU, bf16 features, threads, torch) is printed first and stored with
 ``--out``.
+
+A schedule laid out over ``max_steps`` (cosine, WSD) must end with the budget: ``--clock`` runs it over the training
+time instead (``train.schedule_clock=minutes``: exact budgets whatever a variant's step costs, a growing window
+included); ``--fit-steps`` times 60 steps first and sets ``max_steps`` to fill the budget (it undershoots where
+early steps are cheaper).
 """
 
 from __future__ import annotations
@@ -85,6 +90,9 @@ def fitted_steps(recipe: str, overrides: list[str], out: Path, minutes: float, t
     return max(int(minutes * 60 / per_step), 1)
 
 
+CLOCK_CAP = 100_000  # --clock: max_steps, a cap the budget ends first (the schedule's position is time-scaled to it)
+
+
 def _log_every(eval_every: int) -> int:
     return next(n for n in (25, 10, 5, 1) if eval_every % n == 0)
 
@@ -99,6 +107,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", nargs="+", default=None, help="run only these variants (base included if named)")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="repeat every variant with these seeds")
     parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--clock", action="store_true",
+                        help="run each schedule over the budget's training time (train.schedule_clock=minutes, "
+                             "max_steps a cap): exact budgets, no timing run")
     parser.add_argument("--fit-steps", action="store_true",
                         help="set each variant's train.max_steps to fill --minutes (its step time measured first)")
     parser.add_argument("--threads", type=int, default=None)
@@ -118,9 +129,10 @@ def main(argv: list[str] | None = None) -> None:
         for seed in args.seeds or [None]:
             sets = shlex.split(overrides) + ([f"train.seed={seed}"] if seed is not None else [])
             out = root / (name + (f"-s{seed}" if seed is not None else ""))
-            if args.fit_steps:
+            if args.clock:
+                sets += ["train.schedule_clock=minutes", f"train.max_steps={CLOCK_CAP}"]
+            elif args.fit_steps:
                 steps = fitted_steps(args.recipe, sets, root / (out.name + "-timing"), args.minutes, args.threads)
-                steps -= steps % args.eval_every if steps > args.eval_every else 0
                 sets.append(f"train.max_steps={steps}")
             curve = run_variant(args.recipe, sets, out, args.minutes * (1.5 if args.fit_steps else 1), args.eval_every,
                                 args.threads)

@@ -1,6 +1,6 @@
 """benchmarks/bench_time_to_target.py: the curve read from metrics.jsonl (training seconds of the step an evaluation
 follows), the first time under each target, and a tiny recipe end to end with a variant and --fit-steps (max_steps
-fitted to the budget from a timed start)."""
+fitted to the budget from a timed start) or --clock (the schedule over the budget's training time)."""
 
 from __future__ import annotations
 
@@ -38,10 +38,21 @@ def test_a_recipe_and_a_variant_run_to_their_budget(tmp_path, capsys):
     for row in rows:
         assert row["minutes_to"]["0.01"] is None  # never reached
         assert row["minutes_to"]["5.0"] is not None and row["minutes_to"]["5.0"] <= row["train_minutes"]
-        # --fit-steps: a multiple of eval_every
-        assert row["steps"] == row["curve"][-1][0] and row["steps"] % 5 == 0
-        fitted = [o for o in row["overrides"] if o.startswith("train.max_steps=")]
-        assert len(fitted) == 1 and int(fitted[0].split("=")[1]) >= 5
+        fitted = [o for o in row["overrides"] if o.startswith("train.max_steps=")]  # --fit-steps
+        assert len(fitted) == 1 and int(fitted[0].split("=")[1]) >= 1
+        assert row["steps"] == row["curve"][-1][0] <= int(fitted[0].split("=")[1])  # the last evaluation counts
     assert "train.optimizer=muon" in rows[1]["overrides"]
     printed = capsys.readouterr().out
     assert "base" in printed and "muon" in printed
+
+
+def test_the_clock_runs_each_variant_to_the_whole_budget(tmp_path):
+    path = tmp_path / "tiny.yaml"
+    path.write_text(yaml.safe_dump({"task": "lm", **recipe(tmp_path, max_steps=20, warmup_steps=2)}))
+    out = tmp_path / "rows.json"
+    bench.main([str(path), "--minutes", "0.05", "--eval-every", "1000", "--targets", "9.0", "--threads", "1",
+                "--variant", "wsd", "train.schedule=wsd", "--only", "wsd", "--clock", "--out", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert "train.schedule_clock=minutes" in row["overrides"]
+    assert row["train_minutes"] >= 0.05  # stopped by its 3 seconds of training time, not by max_steps (a cap)
+    assert row["steps"] == row["curve"][-1][0] > 20  # the final evaluation, paired with the last step's time

@@ -177,6 +177,22 @@ def test_muons_update_is_newton_schulz_of_the_nesterov_momentum(dtype, monkeypat
             torch.testing.assert_close(p.detach(), expected, rtol=0, atol=1e-6)
 
 
+def test_an_encoder_decoders_muon_group_is_its_encoder_and_decoder_projections():
+    """Declared stacks (models.protocol.BlockStacks): every Linear weight in the encoder's and the decoder's blocks,
+    self- and cross-attention and MLP, goes to Muon; embeddings, the (tied) head and the norms stay with AdamW."""
+    from tokenloom.models import EncoderDecoder, Seq2SeqConfig
+
+    model = EncoderDecoder(Seq2SeqConfig(vocab_size=50, encoder_layers=2, decoder_layers=2, num_heads=2, embed_dim=16,
+                                         max_source_len=8, max_target_len=8))
+    in_muon = {id(p) for p in hidden_matrices(model)}
+    names = {name for name, p in model.named_parameters() if id(p) in in_muon}
+    expected = {name for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)
+                and name.startswith(("encoder.", "decoder."))}
+    assert names == {f"{name}.weight" for name in expected}
+    assert any(".cross" in name for name in names), names  # the decoder's cross-attention too
+    assert not {name for name in names if "embed" in name or "norm" in name or "lm_head" in name}
+
+
 def test_hidden_matrices_are_the_muon_group_and_the_rest_adamw_in_bf16_training(tmp_path):
     cfg = recipe(tmp_path, precision="bf16", optimizer="muon", max_steps=1, eval_every=0, checkpoint_every=0)
     trainer, _ = run(cfg, tmp_path / "r")
@@ -195,7 +211,7 @@ def test_muon_on_a_model_without_block_matrices_is_one_line(tmp_path):
 
     config = load_run_config(recipe(tmp_path, optimizer="muon"))
     with pytest.raises(ConfigError, match=r"^train.optimizer=muon: this Linear model has no trainable 2-D weights "
-                                          r"in a `blocks` stack .*use train.optimizer adamw$") as err:
+                                          r"in its block stacks .*use train.optimizer adamw$") as err:
         Trainer(config, torch.nn.Linear(4, 4), SimpleNamespace(), tmp_path / "r")
     assert "\n" not in str(err.value)
 

@@ -278,6 +278,10 @@ class EncoderDecoder(nn.Module):
             cache.advance(T)
         return self.lm_head(self.decoder_norm(x))
 
+    def block_stacks(self) -> tuple[nn.ModuleList, ...]:
+        """The encoder's blocks, then the decoder's (:class:`~tokenloom.models.protocol.BlockStacks`)."""
+        return self.encoder, self.decoder
+
     def forward(self, source: Tensor, target_in: Tensor, source_mask: Tensor | None = None) -> Tensor:
         """Teacher forcing: (B, S) sources and (B, T) decoder inputs (BOS + target) -> (B, T, V) logits."""
         return self.decode(target_in, self.encode(source, source_mask), source_mask)

@@ -38,6 +38,7 @@ from ..nn.lora import DEFAULT_TARGETS as DEFAULT_LORA_TARGETS
 from ..nn.lora import check_targets as check_lora_targets
 from ..packaged import resolve_recipe, where_bundled
 from ..tasks import TASKS
+from .clock import CLOCKS
 from .distributed import BACKENDS, STRATEGIES
 from .optim import OPTIMIZERS
 from .schedules import SCHEDULES
@@ -131,7 +132,7 @@ class TrainConfig:
     #   then the peak held constant, then the decay; Hägele et al. 2024); other schedules ignore it
     optimizer: str = "adamw"  # adamw | muon: Muon (torch.optim.Muon, as the modded-nanogpt speedrun) for the Linear
     #   weights inside the model's block stack (attention and MLP projections), AdamW for the rest (embeddings, head,
-    #   norms, biases); not yet measured in this project
+    #   norms, biases); docs/experiments.md measures it
     muon_lr: float = 0.02  # muon: Muon's peak learning rate (the same schedule multiplier as lr)
     z_loss: float = 0.0  # language models: add z_loss * mean(logsumexp(logits)^2) to the loss (PaLM: 1e-4); 0 = off
     weight_decay: float = 0.1  # AdamW decoupled weight decay (matrices only)
@@ -155,6 +156,11 @@ class TrainConfig:
     seed: int = 1337  # model init, data order, dropout
     threads: int | None = None  # torch intra-op threads; None = torch's default
     max_minutes: float | None = None  # stop (and checkpoint) after this much training time
+    schedule_clock: str = "steps"  # steps | minutes: the learning-rate schedule runs over max_steps, or over
+    #   max_minutes of training time (evaluations and checkpoints left out, summed over resumes; after the warmup the
+    #   position is the larger of step and max_steps x the fraction trained), so its decay ends with the time budget
+    #   on any machine;
+    #   minutes: the run stops at max_minutes of training time (not bit-exact on resume: the clock is the machine's)
     stop_after_steps: int | None = None  # stop after N more steps in this invocation (a --resume counts from the
     #   step it resumes at; the run records the key, so each resume runs N more); the schedule still spans max_steps
     init_from: str | None = None  # fine-tune: start from this checkpoint's weights, tokenizer and model settings
@@ -212,6 +218,10 @@ class TrainConfig:
                   f"({self.decay_fraction:g}) x train.max_steps ({self.max_steps}) = "
                   f"{self.warmup_steps + self.decay_fraction * self.max_steps:g} is more than train.max_steps; "
                   "lower warmup_steps or decay_fraction")
+        check(self.schedule_clock in CLOCKS, f"train.schedule_clock must be one of {', '.join(CLOCKS)}, got "
+                                             f"{self.schedule_clock!r}")
+        check(self.schedule_clock != "minutes" or self.max_minutes is not None,
+              "train.schedule_clock=minutes needs train.max_minutes (the time the schedule runs over)")
         check(self.optimizer in OPTIMIZERS, f"train.optimizer must be one of {', '.join(OPTIMIZERS)}, got "
                                             f"{self.optimizer!r}{did_you_mean(self.optimizer, OPTIMIZERS)}")
         check(self.muon_lr > 0, f"train.muon_lr must be positive, got {self.muon_lr}")

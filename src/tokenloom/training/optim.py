@@ -11,6 +11,7 @@ import torch
 from torch import Tensor, nn
 
 from ..hardware import bf16_support
+from ..models.protocol import block_stacks
 
 
 def param_groups(params: nn.Module | Iterable[nn.Parameter], weight_decay: float) -> list[dict]:
@@ -54,17 +55,16 @@ OPTIMIZERS = ("adamw", "muon")  # train.optimizer
 
 def hidden_matrices(model: nn.Module) -> list[nn.Parameter]:
     """The parameters ``train.optimizer: muon`` gives to Muon: the weights of the ``nn.Linear`` layers inside a
-    model's block stack (the ``nn.ModuleList`` a model keeps as its ``blocks`` attribute, at any depth: the
-    attention and MLP projections). Everything else (embeddings, the output head, norms, biases, position tables)
-    stays with AdamW. Trainable ones only; a tied tensor once."""
+    model's block stacks (:func:`~tokenloom.models.protocol.block_stacks`: an encoder-decoder's encoder and decoder,
+    else the ``blocks`` list, of any module at any depth: the attention and MLP projections). Everything else
+    (embeddings, the output head, norms, biases, position tables) stays with AdamW. Trainable ones only; a tied
+    tensor once."""
     found: dict[int, nn.Parameter] = {}
     for module in model.modules():
-        stack = module._modules.get("blocks")
-        if not isinstance(stack, nn.ModuleList):
-            continue
-        for layer in stack.modules():
-            if isinstance(layer, nn.Linear) and layer.weight.requires_grad and layer.weight.dim() == 2:
-                found.setdefault(id(layer.weight), layer.weight)
+        for stack in block_stacks(module):
+            for layer in stack.modules():
+                if isinstance(layer, nn.Linear) and layer.weight.requires_grad and layer.weight.dim() == 2:
+                    found.setdefault(id(layer.weight), layer.weight)
     return list(found.values())
 
 

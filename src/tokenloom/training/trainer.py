@@ -40,6 +40,7 @@ from ..nn.fused import weights_updated
 from ..nn.lora import AdapterSpec, frozen_state_names, lora_state_dict, parameter_counts, save_adapter
 from ..nn.modes import eval_mode
 from . import distributed
+from .clock import TrainingClock, schedule_position
 from .compile import CompiledForward, CompiledStep, available_parts
 from .config import RunConfig, TrainConfig
 from .distributed import SINGLE, Distributed
@@ -182,7 +183,7 @@ class Trainer:
                               "adamw or train.strategy ddp")
         if t.optimizer == "muon" and not hidden:
             raise ConfigError(f"train.optimizer=muon: this {type(model).__name__} model has no trainable 2-D weights "
-                              "in a `blocks` stack for Muon (optim.hidden_matrices finds none); use train.optimizer "
+                              "in its block stacks for Muon (optim.hidden_matrices finds none); use train.optimizer "
                               "adamw")
         if self.master is not None:
             hidden = [self.master.master_of(p) for p in hidden]
@@ -198,6 +199,7 @@ class Trainer:
             if t.ema else None
         self.schedule_spec = ScheduleSpec.of(t)  # a resume replaces it by the run's recorded one (load_state)
         self.scheduler = self.schedule_spec.create(self.optimizer)
+        self.clock = TrainingClock()  # training time (train.schedule_clock: minutes)
         # fp16 (CUDA): losses scaled so small gradients survive float16; an overflowing step is skipped (counted with
         # the non-finite ones) and the scale lowered
         self.scaler = torch.amp.GradScaler(self.device.type) if t.precision == "fp16" else None
@@ -287,6 +289,7 @@ class Trainer:
                 "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "task": self.task.state_dict() if hasattr(self.task, "state_dict") else None,
                 "ema": ema,  # train.ema: the average and the raw weights (training/ema.py)
+                "train_s": self.clock.total_s,  # training time so far, over the runs this one resumed
             }, tmp / STATE_FILE)
 
         if self.dist.is_main:
@@ -447,6 +450,7 @@ class Trainer:
             if state.get("task") is not None and hasattr(self.task, "load_state_dict"):
                 self.task.load_state_dict(state["task"])
             self._load_ema(state.get("ema"))
+            self.clock.before_s = float(state.get("train_s", 0.0))  # 0 in trainer states older than the key
         except OSError as err:
             raise CheckpointError(f"cannot read {path}: {err.strerror or err}") from None
         except (RuntimeError, KeyError, ValueError, EOFError, TypeError, IndexError) as err:
@@ -685,12 +689,32 @@ class Trainer:
         weights_updated()  # the fused AdamW bumps no version counter: decode steps must not reuse pre-step weights
         if self.ema is not None:
             self.ema.update()
-        self.scheduler.step()
+        self._advance_schedule()
         self.optimizer.zero_grad(set_to_none=True)
         if self.master is not None:
             self.master.copy_to_model()
         self.step += 1
         return total_loss, tokens
+
+    def _advance_schedule(self) -> None:
+        """One step of the learning-rate schedule; ``train.schedule_clock: minutes``: to where the training time puts
+        it (:func:`~tokenloom.training.clock.schedule_position`, every rank at the ranks' mean time)."""
+        t = self.config.train
+        if t.schedule_clock == "minutes":
+            trained = self.clock.total_s
+            if self.dist.world_size > 1:
+                trained = self.dist.all_reduce_sum([trained])[0] / self.dist.world_size
+            position = schedule_position(self.step + 1, trained, t.max_steps, 60 * t.max_minutes, t.warmup_steps)
+            self.scheduler.last_epoch = position - 1  # LambdaLR.step() moves it on by one
+        self.scheduler.step()
+
+    def _out_of_time(self, start_time: float) -> bool:
+        """``train.max_minutes``: of training time (schedule_clock minutes), else of this process's wall clock."""
+        t = self.config.train
+        if t.max_minutes is None:
+            return False
+        spent = self.clock.total_s if t.schedule_clock == "minutes" else time.perf_counter() - start_time
+        return spent >= 60 * t.max_minutes
 
     def _gradient_sync(self, last: bool) -> contextlib.AbstractContextManager:
         """DDP / FSDP: communicate gradients only in the last micro-batch of an update."""
@@ -752,11 +776,11 @@ class Trainer:
         self._wrap_for_training()
         self.model.train()
         start_step, start_time = self.step, time.perf_counter()
+        self.clock.start()
         progress = training_progress(progress_mode(self.show_progress, self.dist.is_main), t, self.task,
                                      self.model_section, self.parameter_counts[1], self.device, self.dist.world_size,
                                      start_step)
         window_tokens, window_start, window_step, loss = 0, time.perf_counter(), self.step, float("nan")
-        paused_s = 0.0  # evaluations and checkpoints of this run: left out of train_s
         stopped_by = "max_steps"
         failure: TrainingError | None = None
         with self._graceful_interrupt(), self._tensorboard_log():
@@ -779,32 +803,32 @@ class Trainer:
                 window_tokens += tokens
                 self.tokens_seen += tokens
                 progress.advance()
-                if self.step % t.log_every == 0 or self.step == t.max_steps:
+                out_of_time = self._out_of_time(start_time)  # the last step of a timed run is logged too
+                if self.step % t.log_every == 0 or self.step == t.max_steps or out_of_time:
                     # the window's training time only: evaluations and checkpoints are left out of its rates
                     elapsed = max(time.perf_counter() - window_start, 1e-9)
                     record = {"step": self.step, "loss": round(loss, 7), "lr": float(self.scheduler.get_last_lr()[0]),
                               "tokens_per_s": round(window_tokens / elapsed, 1),
                               "ms_per_step": round(1000 * elapsed / max(self.step - window_step, 1), 2),
                               "elapsed_s": round(time.perf_counter() - start_time, 2),
-                              "train_s": round(time.perf_counter() - start_time - paused_s, 2),
+                              "train_s": round(self.clock.this_run_s, 2),
                               **self.task.train_metrics()}  # the task's own (GRPO: reward, kl, ...)
                     self._log(record)
                     progress.show(record)
                     window_tokens, window_start, window_step = 0, time.perf_counter(), self.step
                 paused = time.perf_counter()
-                if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
-                    metrics = self.evaluate()
-                    if self.dist.is_main:
-                        shown = {k: v for k, v in metrics.items() if k.startswith("val_") and not k.endswith("ppl")}
-                        progress.note(f"step {self.step}: " + "  ".join(f"{scoped_name(k, metrics)} {v:.4f}"
-                                                                       for k, v in shown.items()))
-                if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.max_steps:
-                    self.save()
+                with self.clock.paused():  # evaluations and checkpoints are left out of train_s
+                    if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
+                        metrics = self.evaluate()
+                        if self.dist.is_main:
+                            shown = {k: v for k, v in metrics.items() if k.startswith("val_")
+                                     and not k.endswith("ppl")}
+                            progress.note(f"step {self.step}: " + "  ".join(f"{scoped_name(k, metrics)} {v:.4f}"
+                                                                           for k, v in shown.items()))
+                    if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.max_steps:
+                        self.save()
                 window_start += time.perf_counter() - paused
-                paused_s += time.perf_counter() - paused
-                interrupted, out_of_time = self._agree(
-                    self._stop_requested,
-                    t.max_minutes is not None and time.perf_counter() - start_time > 60 * t.max_minutes)
+                interrupted, out_of_time = self._agree(self._stop_requested, out_of_time)
                 if interrupted:
                     stopped_by = "interrupt"
                     break
