@@ -780,7 +780,7 @@ class Trainer:
         progress = training_progress(progress_mode(self.show_progress, self.dist.is_main), t, self.task,
                                      self.model_section, self.parameter_counts[1], self.device, self.dist.world_size,
                                      start_step)
-        window_tokens, window_start, window_step, loss = 0, time.perf_counter(), self.step, float("nan")
+        window_tokens, window_start, window_step, loss = 0, self.clock.this_run_s, self.step, float("nan")
         stopped_by = "max_steps"
         failure: TrainingError | None = None
         with self._graceful_interrupt(), self._tensorboard_log():
@@ -806,7 +806,7 @@ class Trainer:
                 out_of_time = self._out_of_time(start_time)  # the last step of a timed run is logged too
                 if self.step % t.log_every == 0 or self.step == t.max_steps or out_of_time:
                     # the window's training time only: evaluations and checkpoints are left out of its rates
-                    elapsed = max(time.perf_counter() - window_start, 1e-9)
+                    elapsed = max(self.clock.this_run_s - window_start, 1e-9)
                     record = {"step": self.step, "loss": round(loss, 7), "lr": float(self.scheduler.get_last_lr()[0]),
                               "tokens_per_s": round(window_tokens / elapsed, 1),
                               "ms_per_step": round(1000 * elapsed / max(self.step - window_step, 1), 2),
@@ -815,8 +815,7 @@ class Trainer:
                               **self.task.train_metrics()}  # the task's own (GRPO: reward, kl, ...)
                     self._log(record)
                     progress.show(record)
-                    window_tokens, window_start, window_step = 0, time.perf_counter(), self.step
-                paused = time.perf_counter()
+                    window_tokens, window_start, window_step = 0, self.clock.this_run_s, self.step
                 with self.clock.paused():  # evaluations and checkpoints are left out of train_s
                     if t.eval_every and self.step % t.eval_every == 0 and self.step < t.max_steps:
                         metrics = self.evaluate()
@@ -827,7 +826,6 @@ class Trainer:
                                                                            for k, v in shown.items()))
                     if t.checkpoint_every and self.step % t.checkpoint_every == 0 and self.step < t.max_steps:
                         self.save()
-                window_start += time.perf_counter() - paused
                 interrupted, out_of_time = self._agree(self._stop_requested, out_of_time)
                 if interrupted:
                     stopped_by = "interrupt"
