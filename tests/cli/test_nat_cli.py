@@ -228,3 +228,26 @@ def test_family_config_errors_are_one_line(runs, tmp_path, capsys, model, data, 
     assert main(["train", recipe, "--out", str(tmp_path / "bad")]) == 2
     err = capsys.readouterr().err
     assert needle in err and len(err.strip().splitlines()) == 1
+
+
+def test_the_nat_diagnosis_separates_length_from_token_prediction(runs, capsys):
+    """benchmarks/diagnose_nat.py on the tiny runs: oracle-length BLEU and token accuracy for a length-predicting
+    kind, the teacher's teacher-forced accuracy beside; CTC (no length predictor) gets BLEU and rounds alone."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "benchmarks" / "diagnose_nat.py"
+    spec = importlib.util.spec_from_file_location("diagnose_nat", path)
+    diagnose = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(diagnose)
+    assert diagnose.main([str(runs / "cmlm"), "--teacher", str(runs / "ar"), "--split", "test", "--iterations", "2",
+                          "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["sentences"] == 10 and result["rounds_per_sentence"] == 2
+    for key in ("length_exact", "token_accuracy_oracle_length", "teacher_forced_accuracy_teacher"):
+        assert 0.0 <= result[key] <= 1.0
+    assert result["length_mae"] >= 0 and result["bleu_oracle_length"] >= 0
+    assert diagnose.main([str(runs / "ctc"), "--split", "test", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert result["rounds_per_sentence"] == 1 and "bleu_oracle_length" not in result
+    assert diagnose.main([str(runs / "ar"), "--split", "test"]) == 2

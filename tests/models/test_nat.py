@@ -49,6 +49,72 @@ def test_one_iteration_of_mask_predict_is_the_parallel_argmax():
     assert torch.allclose(log_probs[real], F.log_softmax(logits, -1).max(-1).values[real])
 
 
+@pytest.mark.parametrize("kind", ["nat", "cmlm"])
+def test_oracle_lengths_equal_ordinary_decoding_where_the_prediction_is_right(kind):
+    """Decoding at given target lengths (a diagnosis's oracle) is the ordinary decoding when they are the predicted
+    ones, and other lengths give outputs of exactly those lengths."""
+    model = tiny(kind).eval()
+    source, mask = batch_of(SOURCES)
+    with torch.no_grad():
+        classes = model.length_logits(model.encode(source, mask), mask).argmax(-1, keepdim=True)  # (B, 1)
+        predicted = model.lengths_of(classes, mask.sum(1)).reshape(-1)
+    ordinary = nat_decode(model, source, mask, iterations=3)
+    assert nat_decode(model, source, mask, iterations=3, lengths=predicted) == ordinary
+    assert nat_decode(model, source, mask, iterations=3, length_beam=4, lengths=predicted) == ordinary
+    oracle = torch.tensor([len(t) for t in TARGETS])
+    assert [len(t) for t in nat_decode(model, source, mask, iterations=3, lengths=oracle)] == oracle.tolist()
+
+
+def test_oracle_lengths_are_refused_where_no_length_is_predicted_or_misshapen():
+    from tokenloom.errors import GenerationError
+
+    source, mask = batch_of(SOURCES)
+    with pytest.raises(GenerationError, match="kind ctc predicts no target length"):
+        nat_decode(tiny("ctc").eval(), source, mask, lengths=torch.tensor([3, 3, 4, 2]))
+    with pytest.raises(GenerationError, match=r"one target length >= 1 per sentence \(4\), got shape \(3,\)"):
+        nat_decode(tiny("cmlm").eval(), source, mask, lengths=torch.tensor([3, 3, 4]))
+
+
+@pytest.mark.parametrize("label_smoothing", [0.0, 0.1])
+def test_the_cmlm_loss_is_the_papers_formula_written_out(label_smoothing):
+    """Mask-Predict's training loss on a fixed batch, written out here from the paper (Ghazvininejad et al. 2019,
+    section 3.2): in each sentence of L tokens n ~ U{1..L} of them, chosen uniformly, are replaced by <mask>; the
+    loss is the cross-entropy of the masked tokens only (label-smoothed: (1 - e) NLL + e x the mean over the
+    vocabulary of -log p), averaged over the masked tokens of the batch, plus 0.1 x the length predictor's
+    cross-entropy over the sentences (the offset of the target length from the source length)."""
+    from nat_pairs import pair_batch
+
+    from tokenloom.tasks.nat import NATTranslationTask
+
+    model = tiny("cmlm", dropout=0.0).train()
+    batch = pair_batch(SOURCES, TARGETS)
+    loss, count, _ = NATTranslationTask.nat_loss(model, batch, label_smoothing, torch.Generator().manual_seed(3))
+
+    gen = torch.Generator().manual_seed(3)  # the draws, in the loss's order: counts, then position scores
+    L = max(len(t) for t in TARGETS)
+    u = torch.rand(len(TARGETS), generator=gen)
+    scores = torch.rand(len(TARGETS), L, generator=gen)
+    total, masked_tokens, length_terms = 0.0, 0, []
+    source, smask = batch_of(SOURCES)
+    memory = model.encode(source, smask)
+    length_logp = F.log_softmax(model.length_logits(memory, smask).float(), -1)
+    for i, target in enumerate(TARGETS):
+        n = min(int(u[i] * len(target)), len(target) - 1) + 1
+        chosen = sorted(range(len(target)), key=lambda j: float(scores[i, j]))[:n]
+        inputs = [14 if j in chosen else t for j, t in enumerate(target)]
+        x, dmask = model.decoder_inputs(source[i:i + 1], smask[i:i + 1], tokens=torch.tensor([inputs]))
+        logp = F.log_softmax(model.decode_parallel(x, dmask, memory[i:i + 1], smask[i:i + 1]).float()[0], -1)
+        for j in chosen:
+            nll, uniform = -logp[j, target[j]], -logp[j].mean()
+            total = total + (1 - label_smoothing) * nll + label_smoothing * uniform
+            masked_tokens += 1
+        offset = max(-4, min(4, len(target) - len(SOURCES[i])))  # max_length_offset 4
+        length_terms.append(-length_logp[i, offset + 4])
+    expected = total / masked_tokens + 0.1 * torch.stack(length_terms).mean()
+    assert count == masked_tokens
+    assert torch.allclose(loss, expected, atol=1e-5)
+
+
 def test_remask_picks_the_lowest_probabilities_and_follows_the_linear_schedule():
     L, T = 10, 4
     log_probs = -torch.arange(1.0, L + 1)[torch.randperm(L, generator=torch.Generator().manual_seed(0))][None]

@@ -103,33 +103,47 @@ def rescore(rescorer: nn.Module, source: Tensor, source_mask: Tensor, tokens: Te
 @torch.no_grad()
 def nat_decode(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, *, iterations: int = 10,
                length_beam: int = 1, rescorer: nn.Module | None = None,
-               rounds: list[int] | None = None) -> list[list[int]]:
+               rounds: list[int] | None = None, lengths: Tensor | None = None) -> list[list[int]]:
     """Translate a batch of sources in parallel with the decoding of the model's kind; see the module docstring.
     ``iterations`` applies to mask_predict (cmlm), ``length_beam`` to decodings over length candidates (nat,
     cmlm), ``rescorer`` (an autoregressive model on the same vocabulary) picks among the length candidates instead
     of their own average log-probability. ``rounds``, when given, gets the decoder rounds each sentence used
     appended (in batch order; :func:`record_rounds`): 1 for one pass, the iterations of Mask-Predict, the
-    rounds until nothing changed for the edit-based decodings."""
+    rounds until nothing changed for the edit-based decodings. ``lengths`` (B,), for kinds with a length predictor
+    (nat, cmlm): decode at these target lengths instead of the predicted ones (the oracle lengths of a diagnosis:
+    the references' lengths separate length prediction from token prediction); ``length_beam`` then does not
+    apply."""
     if iterations < 1:
         raise GenerationError(f"iterations must be >= 1, got {iterations}")
     if length_beam < 1:
         raise GenerationError(f"length_beam must be >= 1, got {length_beam}")
-    decode = NAT_DECODINGS.get(NAT_KINDS.get(model.config.kind).decoding)
+    kind = NAT_KINDS.get(model.config.kind)
+    extra = {}
+    if lengths is not None:
+        if not kind.has_length_head:
+            raise GenerationError(f"kind {model.config.kind} predicts no target length: oracle lengths apply to "
+                                  "kinds nat and cmlm")
+        if lengths.shape != (source.shape[0],) or int(lengths.min()) < 1:
+            raise GenerationError(f"lengths must be one target length >= 1 per sentence ({source.shape[0]}), got "
+                                  f"shape {tuple(lengths.shape)}")
+        extra = {"lengths": lengths.to(source.device)}
     memory = model.encode(source, source_mask)
-    return decode(model, source, source_mask, memory, iterations=iterations, length_beam=length_beam,
-                  rescorer=rescorer, rounds=rounds)
+    return NAT_DECODINGS.get(kind.decoding)(model, source, source_mask, memory, iterations=iterations,
+                                            length_beam=length_beam, rescorer=rescorer, rounds=rounds, **extra)
 
 
 def decode_length_candidates(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor,
                              memory: Tensor, length_beam: int, rescorer: nn.Module | None,
-                             fill: CandidateFill) -> list[list[int]]:
+                             fill: CandidateFill, lengths: Tensor | None = None) -> list[list[int]]:
     """The top-``length_beam`` lengths of the length predictor, each filled by ``fill``; the candidate with the best
-    average log-probability (or the best under ``rescorer``) kept; one candidate is kept unscored."""
+    average log-probability (or the best under ``rescorer``) kept; one candidate is kept unscored. Given
+    ``lengths`` (B,), those alone (one candidate each)."""
     c = model.config
     B = source.shape[0]
-    beam = min(length_beam, c.num_length_classes)
-    classes = model.length_logits(memory, source_mask).float().topk(beam, dim=-1).indices  # (B, l)
-    lengths = model.lengths_of(classes, source_mask.sum(1)).reshape(-1)  # (B * l,)
+    beam = 1 if lengths is not None else min(length_beam, c.num_length_classes)
+    if lengths is None:
+        classes = model.length_logits(memory, source_mask).float().topk(beam, dim=-1).indices  # (B, l)
+        lengths = model.lengths_of(classes, source_mask.sum(1)).reshape(-1)  # (B * l,)
     src, src_mask, mem = (t.repeat_interleave(beam, dim=0) for t in (source, source_mask, memory))
     tokens, log_probs, real = fill(model, src, src_mask, mem, lengths, beam > 1)
     if beam == 1:  # one candidate: nothing to score
@@ -159,24 +173,26 @@ def argmax_fill(model: NonAutoregressiveTransformer, source: Tensor, source_mask
 @NAT_DECODINGS.register("argmax")
 def argmax_decoding(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, memory: Tensor, *,
                     iterations: int, length_beam: int, rescorer: nn.Module | None,
-                    rounds: list[int] | None = None) -> list[list[int]]:
-    """One argmax pass per length candidate (``iterations`` does not apply)."""
+                    rounds: list[int] | None = None, lengths: Tensor | None = None) -> list[list[int]]:
+    """One argmax pass per length candidate (``iterations`` does not apply); ``lengths``: the given ones alone."""
     record_rounds(rounds, source.shape[0], 1)
-    return decode_length_candidates(model, source, source_mask, memory, length_beam, rescorer, argmax_fill)
+    return decode_length_candidates(model, source, source_mask, memory, length_beam, rescorer, argmax_fill,
+                                    lengths)
 
 
 @NAT_DECODINGS.register("mask_predict")
 def mask_predict_decoding(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, memory: Tensor,
                           *, iterations: int, length_beam: int, rescorer: nn.Module | None,
-                          rounds: list[int] | None = None) -> list[list[int]]:
-    """Mask-Predict (:func:`mask_predict`, ``iterations``) per length candidate."""
+                          rounds: list[int] | None = None, lengths: Tensor | None = None) -> list[list[int]]:
+    """Mask-Predict (:func:`mask_predict`, ``iterations``) per length candidate; ``lengths``: the given ones
+    alone."""
     record_rounds(rounds, source.shape[0], iterations)
 
     def fill(model: NonAutoregressiveTransformer, source: Tensor, source_mask: Tensor, memory: Tensor,
              lengths: Tensor, scored: bool) -> tuple[Tensor, Tensor, Tensor]:
         return mask_predict(model, source, source_mask, memory, lengths, iterations)
 
-    return decode_length_candidates(model, source, source_mask, memory, length_beam, rescorer, fill)
+    return decode_length_candidates(model, source, source_mask, memory, length_beam, rescorer, fill, lengths)
 
 
 @NAT_DECODINGS.register("ctc")

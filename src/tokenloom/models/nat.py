@@ -53,6 +53,7 @@ from .nat_kinds import NAT_KINDS
 from .nat_kinds.ctc import ctc_collapse, ctc_loss  # noqa: F401 (kind ctc's helpers, importable from here too)
 from .registry import MODELS, declare_decoding
 from .seq2seq import EncoderDecoder, Seq2SeqConfig
+from .transfer import VOCABULARY_TENSORS, WeightMap, declare_start
 
 DECODER_INPUTS = ("copy", "position")
 LENGTH_PREDICTIONS = ("offset", "classify")
@@ -236,3 +237,7 @@ class NonAutoregressiveTransformer(EncoderDecoder):
 
 
 MODELS.register("nat")((NATConfig, NonAutoregressiveTransformer))
+# train.init_from an autoregressive teacher (family seq2seq): encoder, decoder blocks and norms copied; the
+# embeddings and output projection get the teacher's rows (<mask> and <blank> start fresh); the length predictor and
+# the kind's heads start fresh
+declare_start("nat", WeightMap("seq2seq", vocab_rows=VOCABULARY_TENSORS, fresh=("length_head.", "kind_heads.")))

@@ -28,6 +28,7 @@ from ..config import check
 from .options import LINEAR_ATTENTION
 from .registry import MODELS, declare_decoding
 from .seq2seq import EncoderDecoder, Seq2SeqConfig
+from .transfer import VOCABULARY_TENSORS, WeightMap, declare_start
 
 
 @dataclass
@@ -78,3 +79,6 @@ class SemiAutoregressiveTransformer(EncoderDecoder):
 
 
 MODELS.register("semi_ar")((SemiARConfig, SemiAutoregressiveTransformer))
+# train.init_from an autoregressive teacher (family seq2seq): every tensor copied (the same layout; only the decoder's
+# inputs and its self-attention mask change)
+declare_start("semi_ar", WeightMap("seq2seq", vocab_rows=VOCABULARY_TENSORS))

@@ -11,6 +11,7 @@ import torch
 
 from ..checkpoint import (
     checkpoint_damage,
+    load_model,
     load_tokenizer,
     load_weights,
     read_config,
@@ -18,6 +19,7 @@ from ..checkpoint import (
     resolve_checkpoint,
 )
 from ..errors import CheckpointError, ChecksumError, ConfigError, VocabularyError
+from ..models.transfer import transfer_weights, weight_map
 from ..nn.lora import is_adapter
 from ..tasks import TASKS
 from .config import RunConfig
@@ -45,6 +47,7 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
     uses_tokenizer = getattr(task_cls, "uses_tokenizer", True)
     tokenizer = None
     checkpoint = None
+    mapping = None  # train.init_from a checkpoint of another family: how its weights map (models.transfer)
     model_section = config.model
     if resume:
         checkpoint = newest_intact_checkpoint(run_dir)
@@ -57,7 +60,11 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
         checkpoint = resolve_checkpoint(t.init_from)
         refuse_quantized(checkpoint, "train.init_from (fine-tuning)")
         tokenizer = load_tokenizer(checkpoint) if uses_tokenizer else None
-        model_section = {**read_config(checkpoint).get("model", {}), **config.model}
+        teacher_section = read_config(checkpoint).get("model", {})
+        family = config.model.get("family") or task_cls.default_family
+        if teacher_section.get("family", family) != family:  # another family's checkpoint: its declared map
+            mapping = weight_map(family, str(teacher_section.get("family")), f"train.init_from={t.init_from}")
+        model_section = {**teacher_section, **config.model, **({"family": family} if mapping else {})}
     # before anything is written, prepared or allocated; a model whose sizes come from the data (an image
     # classifier's image_size, ...) once the data has fixed them
     sized_by_data = task_cls.model_stand_ins({"family": task_cls.default_family, **model_section}, config.data)
@@ -97,8 +104,15 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
                               "activation checkpointing (GPT and the encoder-decoder families do)")
         model_config.gradient_checkpointing = True
     adapter = None  # train.lora: the adapter's settings (a LoRA run resumed: its base and adapter are loaded here)
+    transfer = None  # train.init_from another family's checkpoint: what was copied, what starts fresh
     if resume and checkpoint is not None and is_adapter(checkpoint):
         adapter = resume_lora(model, checkpoint, t.lora, task_cls.fresh_weights)
+    elif mapping is not None:
+        if t.lora.enabled:
+            raise ConfigError(f"train.init_from={t.init_from}: a {mapping.teacher} checkpoint starts a "
+                              f"{section.get('family')} model afresh; train.lora needs a checkpoint of the same family")
+        teacher, _ = load_model(checkpoint)
+        transfer = transfer_weights(model, teacher.state_dict(), mapping, f"train.init_from={t.init_from}")
     elif checkpoint is not None:  # before the Trainer takes float32 masters of the weights
         if resume and t.lora.enabled:
             raise CheckpointError(f"cannot resume with train.lora: {checkpoint} holds no adapter (the run trained "
@@ -120,6 +134,9 @@ def setup_run(config: RunConfig, run_dir: str | Path, *, resume: bool = False,
                              write=dist.is_main)
     trainer = Trainer(config, model, task, run_dir, tokenizer=tokenizer, model_section=section,
                       show_progress=show_progress, dist=dist, adapter=adapter)
+    if transfer is not None:
+        trainer.notices.append(f"train.init_from={t.init_from} ({mapping.teacher} -> {section.get('family')}): "
+                               f"{transfer.summary()}")
     if resume:
         trainer.load_state(checkpoint)
     return trainer
