@@ -67,11 +67,15 @@ def declare_start(family: str, weight_map: WeightMap) -> None:
     _STARTS.setdefault(family, {})[weight_map.teacher] = weight_map
 
 
-def weight_map(family: str, teacher: str, source: str) -> WeightMap:
-    """The declared map from ``teacher`` checkpoints to ``family`` models; none is a one-line error."""
-    starts = _STARTS.get(family, {})
+def weight_map(family: str, teacher: str, source: str) -> WeightMap | None:
+    """The declared map from ``teacher`` checkpoints to ``family`` models. A family that declares maps starts from
+    those families only (another is a one-line error); one that declares none gets None: it loads a checkpoint of
+    the same layout by name, as fine-tuning does (a reward model from a language model: its new head fresh)."""
+    starts = _STARTS.get(family)
+    if starts is None:
+        return None
     if teacher not in starts:
-        known = ", ".join(sorted(starts)) or "no other family"
+        known = ", ".join(sorted(starts))
         raise CheckpointError(f"{source} is a {teacher!r} checkpoint; a {family!r} model starts from {known} "
                               "checkpoints only (tokenloom.models.transfer)")
     return starts[teacher]
