@@ -219,3 +219,63 @@ def test_decoding_options_and_config_errors_are_one_line():
         model.length_logits(model.encode(source, smask), smask)
     with pytest.raises(ConfigError, match=r"^mask_id=-1 is outside the vocabulary \[0, 20\) \(kind levenshtein"):
         tiny(mask_id=-1)
+
+
+def test_the_loss_is_the_papers_imitation_objective_written_out():
+    """The training loss on a fixed batch, written out here from Gu et al. 2019 (section 3.2) with the deletions of
+    fairseq's roll-in: each target y (tokens distinct here, so its alignment to a subsequence is unique) loses a
+    uniformly random number k in 0..|y| of its tokens, chosen uniformly, giving y'; then (a) the placeholder
+    classifier over each adjacent pair of [BOS] y' [EOS] is trained towards the number of target tokens between
+    them, and the output layer at each placeholder of y' with its placeholders inserted towards the token it stands
+    for; (b) the placeholders are filled with the model's own argmax, and the deletion classifier over each token
+    of that sequence is trained to delete what an optimal alignment to y does not keep (the expert, edit_labels,
+    tested for optimality above). The loss is the sum of the three mean cross-entropies."""
+    from nat_pairs import pair_batch
+    from torch.nn import functional as F
+
+    from tokenloom.models.nat_kinds.levenshtein import (
+        decoder_states,
+        deletion_logits,
+        placeholder_logits,
+        token_logits,
+    )
+    from tokenloom.tasks.nat import NATTranslationTask
+
+    targets = [[5, 4, 3], [7, 6, 9], [11, 10, 9, 8], [3, 12]]  # no token twice in a target
+    model = tiny().train()
+    loss, count, _ = NATTranslationTask.nat_loss(model, pair_batch(SOURCES, targets), 0.0,
+                                                 torch.Generator().manual_seed(5))
+
+    gen = torch.Generator().manual_seed(5)  # the roll-in's draws, in the loss's order: counts, then scores
+    L = max(len(t) for t in targets)
+    u, scores = torch.rand(len(targets), generator=gen), torch.rand(len(targets), L, generator=gen)
+    source, smask = batch_of(SOURCES)
+    memory = model.encode(source, smask)
+    placeholder_terms, token_terms, deletion_terms = [], [], []
+    for i, y in enumerate(targets):
+        k = min(int(u[i] * (len(y) + 1)), len(y))
+        kept_at = sorted(sorted(range(len(y)), key=lambda j: float(scores[i, j]))[:k])
+        bounds = [-1, *kept_at, len(y)]
+        gaps = [bounds[s + 1] - bounds[s] - 1 for s in range(len(bounds) - 1)]  # target tokens between neighbours
+        mem, sm = memory[i:i + 1], smask[i:i + 1]
+        deleted = torch.tensor([[1, *(y[j] for j in kept_at), 2]])
+        pair = placeholder_logits(model, decoder_states(model, deleted, mem, sm))[0].float()
+        placeholder_terms += [F.cross_entropy(pair[s:s + 1], torch.tensor([g])) for s, g in enumerate(gaps)]
+        with_plh = [1]
+        for s, gap in enumerate(gaps):
+            with_plh += [PLH] * gap + ([y[kept_at[s]]] if s < len(kept_at) else [])
+        with_plh.append(2)
+        where = torch.tensor([[t == PLH for t in with_plh]])
+        logits = token_logits(model, decoder_states(model, torch.tensor([with_plh]), mem, sm), where).float()
+        wanted = [y[j] for j in range(len(y)) if j not in kept_at]
+        token_terms += [F.cross_entropy(logits[p:p + 1], torch.tensor([w])) for p, w in enumerate(wanted)]
+        fill = logits.detach().clone()
+        fill[:, model.config.banned_ids] = float("-inf")
+        filled = torch.tensor([with_plh]).masked_scatter(where, fill.argmax(-1))
+        keep, _ = edit_labels(filled[0, 1:-1].tolist(), y)
+        delete = deletion_logits(model, decoder_states(model, filled, mem, sm))[0, 1:-1].float()
+        deletion_terms += [F.cross_entropy(delete[p:p + 1], torch.tensor([int(not kept)]))
+                           for p, kept in enumerate(keep)]
+    expected = sum(torch.stack(terms).mean() for terms in (placeholder_terms, token_terms, deletion_terms))
+    assert count == sum(len(y) for y in targets)
+    assert torch.allclose(loss, expected, atol=1e-5)
