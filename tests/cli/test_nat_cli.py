@@ -90,6 +90,7 @@ def test_bench_translate_writes_one_matched_table(runs, tmp_path, capsys):
     models = [r["model"] for r in rows]
     assert models == ["AR greedy", "AR beam 5", "CMLM 1 iteration, length beam 1", "CMLM 1 iteration, length beam 3",
                       "CMLM 4 iterations, length beam 3", "CMLM 10 iterations, length beam 3", "CTC one pass"]
+    assert rows[2]["paper_gap"].startswith("~1 BLEU at 10 iterations") and rows[6]["paper_gap"].startswith("1-3")
     assert next(r for r in rows if r["model"] == "AR beam 5")["speedup_vs_ar_beam5"] == "1.0"
     assert all(float(r["latency_ms"]) > 0 and float(r["throughput"]) > 0 for r in rows)
     report = (out / "translate-bench.md").read_text()
@@ -198,6 +199,11 @@ def test_bench_translate_puts_the_whole_family_in_one_table(family, tmp_path, ca
         assert float(r["speedup_vs_ar_greedy"]) == pytest.approx(
             float(greedy["latency_ms"]) / float(r["latency_ms"]), abs=0.01)
     assert float(rows["GLAT NAT length beam 1"]["rounds"]) == 1.0
+    gaps = {name: r["paper_gap"] for name, r in rows.items()}  # the papers' reported gaps beside the measured ones
+    assert gaps["AR 1+1 beam 5"] == "" and gaps["AR 2+1 greedy"].startswith("~0 against 6+6 (deep-shallow")
+    assert gaps["SAT K=2 greedy"].startswith("~1% of BLEU") and gaps["GLAT NAT length beam 1"].startswith("0.25-0.9")
+    assert gaps["GLAT CTC one pass"].startswith("1-3 BLEU (GLAT-CTC") and gaps["Levenshtein 3 iterations"] == \
+        "~0 (Gu et al. 2019)" and gaps["Insertion 64 iterations"].startswith("~1-2 BLEU")
     assert float(rows["Levenshtein 3 iterations"]["rounds"]) <= 3
     front = [r for r in rows.values() if r["pareto"] == "yes"]
     assert front  # no row is faster and better than a frontier row

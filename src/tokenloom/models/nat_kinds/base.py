@@ -33,6 +33,10 @@ class NATKind:
     """A kind of non-autoregressive model (``NATConfig.kind``); registered as an instance in ``NAT_KINDS``."""
 
     name: ClassVar[str] = ""  # display name (bench translate's tables): "NAT", "CMLM", "CTC"
+    # the gap to the autoregressive teacher its paper reports (WMT14, distilled), beside the measured one in bench
+    # translate's table; glancing_gap: the same kind trained with glancing (GLAT)
+    paper_gap: ClassVar[str] = ""
+    glancing_gap: ClassVar[str] = "0.25-0.9 BLEU (GLAT, Qian et al. 2021)"
     has_length_head: ClassVar[bool] = True  # a length predictor over the encoder output sets the decoder's length
     length_rule: ClassVar[str] = ""  # without one: how the decoder's length follows from the source (for errors)
     decoding: ClassVar[str] = "argmax"  # its parallel decoding: a name in tokenloom.generation.nat.NAT_DECODINGS

@@ -39,6 +39,8 @@ def ctc_loss(logits: Tensor, decoder_mask: Tensor, targets: Tensor, target_lengt
 
 class CTC(NATKind):
     name: ClassVar[str] = "CTC"
+    paper_gap: ClassVar[str] = "1-3 BLEU with glancing (Gu & Kong 2021)"
+    glancing_gap: ClassVar[str] = "1-3 BLEU (GLAT-CTC, Gu & Kong 2021)"
     has_length_head: ClassVar[bool] = False
     length_rule: ClassVar[str] = "its length is ctc_upsample x the source"
     decoding: ClassVar[str] = "ctc"

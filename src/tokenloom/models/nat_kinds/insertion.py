@@ -124,6 +124,7 @@ def tree_loss(logits: Tensor, targets: Tensor, kept: Tensor, real: Tensor, end_i
 class Insertion(ReadsTokens):
     reads: ClassVar[str] = "the hypothesis tokens ([BOS] y [EOS])"
     name: ClassVar[str] = "Insertion"
+    paper_gap: ClassVar[str] = "~1-2 BLEU (Stern et al. 2019)"
     has_length_head: ClassVar[bool] = False
     length_rule: ClassVar[str] = "its length comes from its insertions"
     decoding: ClassVar[str] = "insertion"

@@ -161,6 +161,7 @@ def _mean_cross_entropy(logits: Tensor, labels: Tensor) -> Tensor:
 class Levenshtein(ReadsTokens):
     reads: ClassVar[str] = "the current sequence (tokens with BOS and EOS)"
     name: ClassVar[str] = "Levenshtein"
+    paper_gap: ClassVar[str] = "~0 (Gu et al. 2019)"
     has_length_head: ClassVar[bool] = False
     length_rule: ClassVar[str] = "its length comes from its insertions and deletions"
     decoding: ClassVar[str] = "levenshtein"
