@@ -39,14 +39,18 @@ def split_files(checkpoint: Path, split: str) -> tuple[list[str], list[str]]:
     return src, ref
 
 
+def batches(model, tokenizer, sources: list[str]):
+    """(sentence indices, source ids (B, S), mask (B, S)) of ``sources``, sorted by length, 4,096 tokens a batch."""
+    encoded = encode_sources(model, tokenizer, sources)
+    return source_batches(encoded, 4096, special_ids(tokenizer)["pad_id"])
+
+
 @torch.no_grad()
 def decode_all(model, tokenizer, sources: list[str], lengths: list[int] | None, iterations: int,
                rounds: list[int]) -> tuple[list[str], list[list[int]]]:
     """Each sentence's translation and its tokens, at the predicted lengths (length beam 1) or the given ones."""
-    ids = special_ids(tokenizer)
-    encoded = encode_sources(model, tokenizer, sources)
     out, out_tokens = [""] * len(sources), [[] for _ in sources]
-    for chunk, source, mask in source_batches(encoded, 4096, ids["pad_id"]):
+    for chunk, source, mask in batches(model, tokenizer, sources):
         given = None if lengths is None else torch.tensor([lengths[i] for i in chunk])
         order: list[int] = []
         decoded = nat_decode(model, source, mask, iterations=iterations, length_beam=1, lengths=given, rounds=order)
@@ -60,9 +64,8 @@ def decode_all(model, tokenizer, sources: list[str], lengths: list[int] | None, 
 def oracle_token_accuracy(model, tokenizer, sources: list[str], targets: list[list[int]]) -> float:
     """Share of reference positions whose one-pass prediction at the reference length is the reference token."""
     ids = special_ids(tokenizer)
-    encoded = encode_sources(model, tokenizer, sources)
     right = total = 0
-    for chunk, source, mask in source_batches(encoded, 4096, ids["pad_id"]):
+    for chunk, source, mask in batches(model, tokenizer, sources):
         lengths = torch.tensor([max(1, len(targets[i])) for i in chunk])
         memory = model.encode(source, mask)
         if model.config.kind == "cmlm":
@@ -86,9 +89,8 @@ def oracle_token_accuracy(model, tokenizer, sources: list[str], targets: list[li
 def teacher_accuracy(teacher, tokenizer, sources: list[str], targets: list[list[int]]) -> float:
     """The autoregressive teacher's teacher-forced next-token accuracy on the references (EOS included)."""
     ids = special_ids(tokenizer)
-    encoded = encode_sources(teacher, tokenizer, sources)
     right = total = 0
-    for chunk, source, mask in source_batches(encoded, 4096, ids["pad_id"]):
+    for chunk, source, mask in batches(teacher, tokenizer, sources):
         T = max(len(targets[i]) for i in chunk) + 1
         target_in = torch.full((len(chunk), T), ids["pad_id"])
         target_out = torch.full((len(chunk), T), -1)
